@@ -1,0 +1,70 @@
+"""`kvpool serve` and `kvpool bench ...`."""
+
+import argparse
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.config import Settings, describe_errors
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One --flag per setting (e.g. --num-pages); unset flags fall back to KVPOOL_* and defaults."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+        else:
+            parser.add_argument(flag, default=None, help=f"{field.description or ''} (KVPOOL_{name.upper()})")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None
+    }
+    return Settings(**overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"kvpool: invalid settings\n{describe_errors(exc)}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from service.app import create_app
+
+    try:
+        app = create_app(settings)
+    except RuntimeError as exc:
+        print(f"kvpool: cannot start: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, workers=1, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpool", description="A standalone paged KV-cache manager.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the pool over HTTP (one worker: the pool lives in the process)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--log-level", default="info")
+    _add_setting_flags(serve)
+    serve.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    alloc = bench_sub.add_parser("alloc", help="allocator throughput and step latency (in process and HTTP)")
+    alloc.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    alloc.set_defaults(func=lambda a: __import__("service.bench_alloc", fromlist=["main"]).main(a))
+
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Pure bookkeeping: allocator, sequences, lookup tables, errors (stdlib + numpy only)."""

@@ -1,0 +1,66 @@
+"""The one place where errors become HTTP responses: {"error": {"code", "message"}}."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from service.core.errors import KVPoolError
+
+STATUS = {
+    "invalid_request": 422,
+    "sequence_not_found": 404,
+    "sequence_exists": 409,
+    "out_of_pages": 507,
+    "quota_exceeded": 429,
+    "unauthorized": 401,
+    "forbidden": 403,
+    "payload_too_large": 413,
+    "not_ready": 503,
+}
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+def error_response(status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    body = orjson.dumps({"error": {"code": code, "message": message}})
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _describe_validation(errors: Any) -> str:
+    parts = []
+    for err in errors:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+async def _kvpool_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, KVPoolError)
+    headers = {"WWW-Authenticate": "Bearer"} if exc.code == "unauthorized" else None
+    return error_response(STATUS.get(exc.code, 500), exc.code, exc.message, headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(422, "invalid_request", _describe_validation(exc.errors()))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = HTTP_CODES.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, code, str(exc.detail), exc.headers)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(KVPoolError, _kvpool_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -1,0 +1,1 @@
+"""Thin FastAPI routers, one file per resource."""

@@ -1,0 +1,46 @@
+"""The pool's geometry and occupancy, and the health probes."""
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from service.schemas import PoolOut
+from service.state import StateDep, json_response
+
+router = APIRouter(tags=["pool"])
+
+
+@router.get("/v1/pool", response_model=PoolOut)
+async def pool_info(pool: StateDep) -> Response:
+    """Geometry, dtype, device and page occupancy (used + cached + free == num_pages)."""
+    s, a = pool.settings, pool.allocator
+    return json_response(
+        {
+            "num_layers": s.num_layers,
+            "num_kv_heads": s.num_kv_heads,
+            "head_dim": s.head_dim,
+            "page_size": s.page_size,
+            "num_pages": s.num_pages,
+            "dtype": s.dtype,
+            "device": str(pool.storage.device),
+            "pages_used": a.num_used,
+            "pages_cached": a.num_cached,
+            "pages_free": a.num_free,
+            "num_sequences": len(pool.sequences),
+            "sentinel": pool.sequences.sentinel,
+            "instance_id": pool.instance_id,
+        }
+    )
+
+
+@router.get("/healthz")
+async def healthz() -> Response:
+    """The process is alive."""
+    return json_response({"status": "ok"})
+
+
+@router.get("/readyz")
+async def readyz(pool: StateDep) -> Response:
+    """The pool is allocated and the server takes requests (503 while shutting down)."""
+    if not pool.ready:
+        return json_response({"error": {"code": "not_ready", "message": "shutting down"}}, 503)
+    return json_response({"status": "ready", "instance_id": pool.instance_id})

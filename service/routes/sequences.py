@@ -1,0 +1,81 @@
+"""Sequences: allocate, inspect, append, fork, free."""
+
+from typing import Annotated
+
+import torch
+from fastapi import APIRouter, Path
+from starlette.responses import Response
+
+from service.core.errors import InvalidRequest
+from service.schemas import (
+    SEQ_ID_PATTERN,
+    AppendOut,
+    AppendRequest,
+    CreateSequence,
+    ForkSequence,
+    FreeOut,
+    SequenceOut,
+    Tensor,
+    error_responses,
+)
+from service.state import PoolState, StateDep, TenantDep, json_response
+from service.tensors import decode
+
+router = APIRouter(prefix="/v1/sequences", tags=["sequences"])
+SeqIdPath = Annotated[str, Path(pattern=SEQ_ID_PATTERN)]
+ERRORS = error_responses(404, 409, 422, 507)
+
+
+@router.post("", status_code=201, response_model=SequenceOut, responses=ERRORS)
+async def create_sequence(body: CreateSequence, pool: StateDep, tenant: TenantDep) -> Response:
+    """Allocate a sequence; with token_ids it starts on the longest cached prefix of full pages."""
+    seq = pool.sequences.create(body.seq_id, body.token_ids, tenant)
+    return json_response(pool.sequence_body(seq), 201)
+
+
+@router.get("/{seq_id}", response_model=SequenceOut, responses=ERRORS)
+async def get_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep) -> Response:
+    """Length and block table of a sequence."""
+    return json_response(pool.sequence_body(pool.sequences.get(seq_id, tenant)))
+
+
+def decode_kv(pool: PoolState, k: Tensor, v: Tensor, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode k and v and check them against `shape`."""
+    out = []
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != shape:
+            raise InvalidRequest(f"{name} must have shape {shape}, not {t.shape}")
+        if not t.dtype.startswith(("float", "bfloat")):
+            raise InvalidRequest(f"{name} must be a floating-point tensor, not {t.dtype}")
+        out.append(decode(name, t.dtype, t.shape, t.data))
+    return out[0], out[1]
+
+
+@router.post("/{seq_id}/append", response_model=AppendOut, responses=ERRORS)
+async def append_tokens(seq_id: SeqIdPath, body: AppendRequest, pool: StateDep, tenant: TenantDep) -> Response:
+    """Append tokens: new slots for each, and with k/v their data written into every layer."""
+    s = pool.settings
+    kv = None
+    if body.k is not None and body.v is not None:
+        kv = decode_kv(pool, body.k, body.v, [s.num_layers, body.num_tokens, s.num_kv_heads, s.head_dim])
+    seq, ext = pool.sequences.append(seq_id, body.num_tokens, body.token_ids, kv is not None, tenant)
+    pool.engine.copy_pages(ext.copies)
+    if kv is not None:
+        pool.engine.write(kv[0], kv[1], torch.from_numpy(ext.slots))
+    return json_response({**pool.sequence_body(seq), "slots": ext.slots.tolist()})
+
+
+@router.post("/{seq_id}/fork", status_code=201, response_model=SequenceOut, responses=ERRORS)
+async def fork_sequence(
+    seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep, body: ForkSequence | None = None
+) -> Response:
+    """A new sequence sharing the parent's pages; a shared partial last page is copied on write."""
+    child = pool.sequences.fork(seq_id, body.seq_id if body else None, tenant)
+    return json_response(pool.sequence_body(child), 201)
+
+
+@router.delete("/{seq_id}", response_model=FreeOut, responses=ERRORS)
+async def free_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep) -> Response:
+    """Free a sequence; its full written pages stay cached for prefix reuse."""
+    freed = pool.sequences.free(seq_id, tenant)
+    return json_response({"seq_id": seq_id, "freed_pages": freed})

@@ -1,0 +1,143 @@
+"""Request and response models of HTTP API v1 (validation and the OpenAPI schema)."""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+SEQ_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+SeqId = Annotated[str, StringConstraints(pattern=SEQ_ID_PATTERN)]
+TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Tensor(Strict):
+    dtype: Literal["float32", "float16", "bfloat16", "uint32", "int32", "int64"]
+    shape: list[Annotated[int, Field(ge=0, le=2**31)]] = Field(max_length=8)
+    data: str = Field(description="base64 of the C-contiguous little-endian bytes")
+
+
+def _check_token_ids(num_tokens: int, token_ids: list[int] | None) -> None:
+    if token_ids is not None and len(token_ids) != num_tokens:
+        raise ValueError(f"token_ids has {len(token_ids)} ids, num_tokens is {num_tokens}")
+
+
+class CreateSequence(Strict):
+    seq_id: SeqId | None = None
+    token_ids: list[TokenId] | None = None
+
+
+class ForkSequence(Strict):
+    seq_id: SeqId | None = None
+
+
+class SequenceOut(BaseModel):
+    seq_id: str
+    length: int
+    block_table: list[int]
+    cached_tokens: int
+
+
+class AppendRequest(Strict):
+    num_tokens: int = Field(ge=1, le=2**31)
+    token_ids: list[TokenId] | None = None
+    k: Tensor | None = Field(None, description="[num_layers, num_tokens, num_kv_heads, head_dim]")
+    v: Tensor | None = Field(None, description="same shape as k")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppendRequest":
+        _check_token_ids(self.num_tokens, self.token_ids)
+        if (self.k is None) != (self.v is None):
+            raise ValueError("k and v come together")
+        return self
+
+
+class AppendOut(SequenceOut):
+    slots: list[int]
+
+
+class FreeOut(BaseModel):
+    seq_id: str
+    freed_pages: int = Field(description="pages whose last reference this free dropped")
+
+
+class StepAppend(Strict):
+    seq_id: SeqId
+    num_tokens: int = Field(ge=1, le=2**31)
+    token_ids: list[TokenId] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "StepAppend":
+        _check_token_ids(self.num_tokens, self.token_ids)
+        return self
+
+
+class StepRequest(Strict):
+    appends: list[StepAppend] = Field(default_factory=list)
+    seq_ids: list[SeqId] | None = Field(None, description="rows of the lookup table (default: the appended ones)")
+
+
+class StepOut(BaseModel):
+    lookup_table: Tensor
+    cache_lengths: Tensor
+    input_lengths: list[int]
+    max_prompt_length: int
+    max_cache_length: int
+    sentinel: int
+    slots: list[list[int]]
+
+
+class AttendRequest(Strict):
+    layer: int = Field(ge=0)
+    seq_ids: list[SeqId] = Field(min_length=1)
+    q: Tensor = Field(description="[T, num_q_heads, head_dim]")
+    q_lens: list[Annotated[int, Field(ge=1)]] | None = Field(None, description="default: 1 per sequence")
+    k: Tensor | None = Field(None, description="[T, num_kv_heads, head_dim], written before attending")
+    v: Tensor | None = None
+    scale: float | None = Field(None, gt=0, description="default 1/sqrt(head_dim)")
+    sliding_window: int | None = Field(None, ge=1, description="attend to the last W positions only")
+    softcap: float | None = Field(None, gt=0, description="logits become softcap * tanh(logits / softcap)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AttendRequest":
+        if (self.k is None) != (self.v is None):
+            raise ValueError("k and v come together")
+        if self.q_lens is not None and len(self.q_lens) != len(self.seq_ids):
+            raise ValueError("q_lens needs one entry per seq_id")
+        return self
+
+
+class AttendOut(BaseModel):
+    out: Tensor
+
+
+class PoolOut(BaseModel):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    dtype: str
+    device: str
+    pages_used: int
+    pages_cached: int
+    pages_free: int
+    num_sequences: int
+    sentinel: int
+    instance_id: str
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorOut(BaseModel):
+    error: ErrorBody
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries documenting the error envelope for these statuses."""
+    return {status: {"model": ErrorOut} for status in statuses}

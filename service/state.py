@@ -1,0 +1,56 @@
+"""Everything one app owns, built once by create_app(), reached through dependency aliases."""
+
+import uuid
+from typing import Annotated, Any
+
+import orjson
+from fastapi import Depends, Request
+from starlette.responses import Response
+
+from service.config import Settings
+from service.core.allocator import PageAllocator
+from service.core.sequences import Sequence, SequenceTable
+from service.engine import Engine
+from service.storage import Storage
+
+
+class PoolState:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.instance_id = uuid.uuid4().hex
+        self.storage = Storage(settings)
+        self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching)
+        self.sequences = SequenceTable(self.allocator, settings.page_size)
+        self.engine = Engine(self.storage, settings.attention_backend)
+        self.ready = True
+
+    def sequence_body(self, seq: Sequence) -> dict[str, Any]:
+        return {
+            "seq_id": seq.seq_id,
+            "length": self.sequences.length(seq),
+            "block_table": self.sequences.block_table(seq),
+            "cached_tokens": seq.cached_tokens,
+        }
+
+    def close(self) -> None:
+        self.ready = False
+        self.storage.close()
+
+
+def get_state(request: Request) -> PoolState:
+    state: PoolState = request.app.state.pool
+    return state
+
+
+def get_tenant(request: Request) -> str:
+    """The tenant a request acts for ("" when API keys are off)."""
+    return getattr(request.state, "tenant", "")
+
+
+StateDep = Annotated[PoolState, Depends(get_state)]
+TenantDep = Annotated[str, Depends(get_tenant)]
+
+
+def json_response(content: Any, status_code: int = 200) -> Response:
+    """orjson straight into the body: default pydantic serialization is too slow for the step path."""
+    return Response(orjson.dumps(content), status_code=status_code, media_type="application/json")
