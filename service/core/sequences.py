@@ -57,6 +57,7 @@ class Stats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     allocation_failures: int = 0
+    sequences_expired: int = 0
 
 
 class SequenceTable:
