@@ -221,7 +221,8 @@ class SequenceTable:
             offs = ext.offsets
             slots = [flat[offs[i] : offs[i + 1]] for i in range(len(seqs))]
         else:
-            self._commit_pending(rows, self.lengths[rows], listed)
+            # Pages written before this step only: the data of the pages appended now comes after it.
+            self._commit_pending(rows, before, listed)
             index = {id(s): i for i, s in enumerate(seqs)}
             flat = ext.slots.tolist()
             input_lengths, slots = [], []
