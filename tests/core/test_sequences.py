@@ -361,7 +361,7 @@ def test_quota_exceeded_changes_nothing() -> None:
     t = make_table(16, 4, max_pages_per_tenant=3)
     tenants = ("x", "y")
     t.create("a", tenant="x")
-    t.append("a", 12, P10 + [41, 42], data_written=True, tenant="x")
+    t.append("a", 12, [*P10, 41, 42], data_written=True, tenant="x")
     assert t.tenant_pages("x") == 3
     before = snapshot(t, tenants)
     with pytest.raises(QuotaExceeded) as err:
