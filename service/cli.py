@@ -1,12 +1,20 @@
 """`kvpool serve` and `kvpool bench ...`."""
 
 import argparse
+import socket
 import sys
 from typing import Any
 
 from pydantic import ValidationError
 
 from service.config import Settings, describe_errors
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for benchmarks and tests that start servers)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
