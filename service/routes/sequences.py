@@ -7,6 +7,7 @@ from fastapi import APIRouter, Path
 from starlette.responses import Response
 
 from service.core.errors import InvalidRequest
+from service.routing import ORJSONRoute
 from service.schemas import (
     SEQ_ID_PATTERN,
     AppendOut,
@@ -21,7 +22,7 @@ from service.schemas import (
 from service.state import PoolState, StateDep, TenantDep, json_response
 from service.tensors import decode
 
-router = APIRouter(prefix="/v1/sequences", tags=["sequences"])
+router = APIRouter(prefix="/v1/sequences", tags=["sequences"], route_class=ORJSONRoute)
 SeqIdPath = Annotated[str, Path(pattern=SEQ_ID_PATTERN)]
 ERRORS = error_responses(404, 409, 422, 507)
 
