@@ -50,7 +50,7 @@ def test_a_lease_runs_out_after_ttl_and_frees_the_pages() -> None:
     assert table.expire(1e12) == []  # no lease: never expires
     assert table.stats.sequences_expired == 1
 
-    again = table.create("b", tokens + [7])
+    again = table.create("b", [*tokens, 7])
     assert table.block_table(again) == [0, 1] and again.cached_tokens == 8
 
 
