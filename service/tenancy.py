@@ -7,11 +7,7 @@ import re
 
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MIN_KEY_LENGTH = 16
-
-
-def _check_tenant(name: str, where: str) -> None:
-    if not TENANT_PATTERN.match(name):
-        raise ValueError(f"{where}tenant name {name!r} must be 1-64 characters of A-Z a-z 0-9 . _ -")
+TENANT_RULE = "1-64 characters of A-Z a-z 0-9 . _ -"
 
 
 def parse_api_keys(spec: str) -> dict[str, str]:
@@ -30,14 +26,16 @@ def parse_api_keys(spec: str) -> dict[str, str]:
         tenant, key = tenant.strip(), key.strip()
         if not colon:
             raise ValueError(f"entry {number} has no colon (expected tenant:key)")
-        _check_tenant(tenant, f"entry {number}: ")
+        # Neither part is repeated in a message: a reversed entry (key:tenant) would show its key.
+        if not TENANT_PATTERN.match(tenant):
+            raise ValueError(f"entry {number}: the tenant name must be {TENANT_RULE}")
         if len(key) < MIN_KEY_LENGTH or not key.isascii() or not key.isprintable() or " " in key:
             raise ValueError(
-                f"entry {number} (tenant {tenant!r}): a key must be at least {MIN_KEY_LENGTH} printable ASCII "
+                f"entry {number}: the key must be at least {MIN_KEY_LENGTH} printable ASCII "
                 "characters without spaces (make one with: python -c 'import secrets; print(secrets.token_urlsafe())')"
             )
         if key in keys:
-            raise ValueError(f"entry {number} (tenant {tenant!r}) repeats the key of tenant {keys[key]!r}")
+            raise ValueError(f"entry {number} repeats the key of an earlier entry (tenant {keys[key]!r})")
         keys[key] = tenant
     return keys
 
@@ -46,5 +44,6 @@ def parse_tenant_names(spec: str) -> frozenset[str]:
     """ "a, b" -> {"a", "b"}."""
     names = [n.strip() for n in spec.split(",")] if spec.strip() else []
     for name in names:
-        _check_tenant(name, "")
+        if not TENANT_PATTERN.match(name):
+            raise ValueError(f"tenant name {name!r} must be {TENANT_RULE}")
     return frozenset(names)

@@ -1,5 +1,8 @@
 """API keys, tenants and quotas against a real `kvpool serve` subprocess (small pool: page 4, 16 pages)."""
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -7,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import SMALL_POOL, Server, enc
+from tests.conftest import REPO, SMALL_POOL, Server, enc
 
 ALPHA, ALPHA_ROTATED, BETA = "alpha-key-7f3c9b2e41d0", "alpha-key-rotated-5d2a", "beta-key-0c8e5a1f93b7"
 KEYS = {"KVPOOL_API_KEYS": f"alpha:{ALPHA}, beta:{BETA}, alpha:{ALPHA_ROTATED}"}
@@ -189,3 +192,13 @@ def test_tenant_page_quota_is_all_or_nothing(start_server: Any) -> None:
     # Freeing gives the quota back.
     c.delete("/v1/sequences/x", headers=a)
     assert c.post("/v1/sequences/y/append", json={"num_tokens": 8}, headers=a).json()["block_table"] == [3, 2, 1]
+
+
+def test_the_server_refuses_to_start_on_bad_keys_without_showing_them() -> None:
+    env = {**os.environ, **SMALL_POOL, "PYTHONPATH": str(REPO), "KVPOOL_API_KEYS": f"alpha:{ALPHA},beta:{ALPHA}"}
+    run = subprocess.run(
+        [sys.executable, "-m", "service", "serve", "--port", "1"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2
+    assert "KVPOOL_API_KEYS: Value error, entry 2 repeats the key of an earlier entry (tenant 'alpha')" in run.stderr
+    assert ALPHA not in run.stderr + run.stdout
