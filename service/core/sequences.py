@@ -444,10 +444,11 @@ class SequenceTable:
         """Free, through free(), every leased sequence whose lease ran out by `now` (on self.clock);
         returns their (tenant, seq_id) in no particular order.
 
-        Renewal is one float store in get(), so the hot path (a step naming hundreds of sequences)
-        pays nothing more; finding the expired ones is a scan here instead, one comparison per live
-        sequence, run by the sweeper about once a second (~40 µs per 1,000 sequences). A heap would
-        make every renewal a push (O(log n) and garbage on the hot path) to speed up the rare path.
+        Renewal is one clock read and one float store in get() (~0.3 µs a sequence, so ~80 µs on a
+        256-sequence step), and only for leased sequences; finding the expired ones is a scan here
+        instead, one comparison per live sequence, run by the sweeper about once a second (~60 µs
+        per 1,000 sequences, measured). A heap would make every renewal a push (O(log n), and stale
+        entries to skip) on the hot path to speed up the once-a-second path.
         """
         expired = [s for s in self._seqs.values() if s.ttl_s and s.expires_at <= now]
         for seq in expired:
