@@ -49,7 +49,10 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"kvpool: cannot start: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, workers=1, log_level=args.log_level, access_log=False)
+    from service.shutdown import serve
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, workers=1, log_level=args.log_level, access_log=False)
+    serve(config, app.state.pool, settings.shutdown_grace_s)  # SIGTERM: /readyz 503, drain, exit 0
     return 0
 
 

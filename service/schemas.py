@@ -27,6 +27,14 @@ def _check_token_ids(num_tokens: int, token_ids: list[int] | None) -> None:
 class CreateSequence(Strict):
     seq_id: SeqId | None = None
     token_ids: list[TokenId] | None = None
+    ttl_s: float | None = Field(
+        None,
+        ge=0,
+        le=31_536_000,
+        allow_inf_nan=False,
+        description="lease in seconds, renewed by every call naming the sequence (a fork inherits it); "
+        "freed when it runs out. Default KVPOOL_DEFAULT_TTL_S; 0: no expiry",
+    )
 
 
 class ForkSequence(Strict):
@@ -38,6 +46,8 @@ class SequenceOut(BaseModel):
     length: int
     block_table: list[int]
     cached_tokens: int
+    ttl_s: float | None = Field(None, description="the lease (present only on leased sequences)")
+    expires_in_s: float | None = Field(None, description="seconds left on the lease at this response")
 
 
 class AppendRequest(Strict):

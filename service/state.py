@@ -20,17 +20,21 @@ class PoolState:
         self.instance_id = uuid.uuid4().hex
         self.storage = Storage(settings)
         self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching)
-        self.sequences = SequenceTable(self.allocator, settings.page_size)
+        self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)
         self.ready = True
 
     def sequence_body(self, seq: Sequence) -> dict[str, Any]:
-        return {
+        body = {
             "seq_id": seq.seq_id,
             "length": self.sequences.length(seq),
             "block_table": self.sequences.block_table(seq),
             "cached_tokens": seq.cached_tokens,
         }
+        if seq.ttl_s:  # leased sequences only, so bodies without a lease keep their shape
+            body["ttl_s"] = seq.ttl_s
+            body["expires_in_s"] = self.sequences.expires_in(seq, self.sequences.clock())
+        return body
 
     def close(self) -> None:
         self.ready = False

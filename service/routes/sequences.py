@@ -30,7 +30,8 @@ ERRORS = error_responses(404, 409, 422, 507)
 @router.post("", status_code=201, response_model=SequenceOut, responses=ERRORS)
 async def create_sequence(body: CreateSequence, pool: StateDep, tenant: TenantDep) -> Response:
     """Allocate a sequence; with token_ids it starts on the longest cached prefix of full pages."""
-    seq = pool.sequences.create(body.seq_id, body.token_ids, tenant)
+    ttl_s = pool.settings.default_ttl_s if body.ttl_s is None else body.ttl_s
+    seq = pool.sequences.create(body.seq_id, body.token_ids, tenant, ttl_s)
     return json_response(pool.sequence_body(seq), 201)
 
 
