@@ -8,7 +8,9 @@ from fastapi import FastAPI
 from service import __version__
 from service.config import Settings
 from service.http_errors import install_error_handlers
+from service.metrics import Metrics, RequestMetricsMiddleware
 from service.routes import attend, pool, sequences, step
+from service.routes import metrics as metrics_route
 from service.state import PoolState
 
 
@@ -33,4 +35,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for module in (sequences, step, attend, pool):
         app.include_router(module.router)
+    # Metrics: a registry per app; the timing middleware stays outermost (added last) to see every answer.
+    app.state.metrics = Metrics(state)
+    app.include_router(metrics_route.router)
+    app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics, routes=app.router.routes)
     return app

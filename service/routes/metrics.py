@@ -1,0 +1,22 @@
+"""Prometheus scrape endpoint."""
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from service.metrics import MetricsDep
+
+router = APIRouter(tags=["operations"])
+
+EXPOSITION_FORMATS = {
+    200: {
+        "description": "Prometheus text format 0.0.4, or OpenMetrics when the Accept header asks for it",
+        "content": {"text/plain": {"schema": {"type": "string"}}, "application/openmetrics-text": {}},
+    }
+}
+
+
+@router.get("/metrics", response_class=Response, responses=EXPOSITION_FORMATS)  # type: ignore[arg-type]
+async def metrics(request: Request, metrics: MetricsDep) -> Response:
+    """Pool occupancy, prefix-cache and request metrics for Prometheus (async: reads the pool on the loop)."""
+    body, content_type = metrics.render(request.headers.get("accept", ""))
+    return Response(body, headers={"Content-Type": content_type})
