@@ -5,8 +5,9 @@ gauges and counters at scrape time, so the request path pays nothing for them. O
 histograms are observed as requests run: one middleware call per request, one per attention.
 """
 
+import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
-from starlette.routing import BaseRoute, Match
+from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__
@@ -159,6 +160,7 @@ class RequestMetricsMiddleware:
         self.app = app
         self.metrics = metrics
         self.routes = routes
+        self._templates: list[tuple[re.Pattern[str], str, frozenset[str] | None]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -181,15 +183,29 @@ class RequestMetricsMiddleware:
 
     def route_of(self, scope: Scope) -> str:
         route = scope.get("route")  # set by the router when it dispatched the request
-        if route is None:  # answered before routing (e.g. by another middleware): match here
-            partial = None
-            for candidate in self.routes:
-                match, _ = candidate.matches(scope)
-                if match is Match.FULL:
-                    route = candidate
-                    break
-                if match is Match.PARTIAL and partial is None:
-                    partial = candidate
-            route = route or partial
         path = getattr(route, "path", None)
-        return path if isinstance(path, str) else UNMATCHED_ROUTE
+        if isinstance(path, str):
+            return path
+        # Answered before routing (e.g. by another middleware): find the template the router would pick.
+        if self._templates is None:  # built on first use: routers may be added after this middleware
+            self._templates = list(route_templates(self.routes))
+        partial = None
+        for regex, template, methods in self._templates:
+            if regex.match(scope["path"]):
+                if methods is None or scope["method"] in methods:
+                    return template
+                partial = partial or template  # the router would answer 405 on this route
+        return partial or UNMATCHED_ROUTE
+
+
+def route_templates(routes: Iterable[BaseRoute]) -> Iterator[tuple[re.Pattern[str], str, frozenset[str] | None]]:
+    """(path regex, template, methods) of every endpoint, in the router's order, through included routers."""
+    for route in routes:
+        included = getattr(route, "original_router", None)  # FastAPI >= 0.16x keeps included routers whole
+        if included is not None:
+            yield from route_templates(included.routes)
+            continue
+        regex, template = getattr(route, "path_regex", None), getattr(route, "path", None)
+        if regex is not None and isinstance(template, str):
+            methods = getattr(route, "methods", None)
+            yield regex, template, frozenset(methods) if methods is not None else None

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -245,3 +246,50 @@ def test_apps_side_by_side_keep_their_own_registries() -> None:
 def test_core_stays_free_of_prometheus() -> None:
     for path in sorted((REPO / "service" / "core").glob("*.py")):
         assert "prometheus" not in Path(path).read_text(), path
+
+
+def test_middleware_labels_answers_given_before_routing_and_crashes() -> None:
+    """Answers that never reach the router (another middleware's 401, an exception) keep bounded labels."""
+    import asyncio
+
+    from service.metrics import Metrics, RequestMetricsMiddleware
+    from service.state import PoolState
+
+    settings = Settings(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, num_pages=8, device="cpu")
+    app = create_app(settings)
+    metrics = Metrics(PoolState(settings))
+
+    async def refuse(scope: Any, receive: Any, send: Any) -> None:  # answers like an auth middleware
+        await send({"type": "http.response.start", "status": 401, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def crash(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("boom")
+
+    async def call(inner: Any, method: str, path: str) -> None:
+        scope = {"type": "http", "method": method, "path": path, "root_path": "", "headers": [], "query_string": b""}
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            pass
+
+        await RequestMetricsMiddleware(inner, metrics, app.router.routes)(scope, receive, send)
+
+    asyncio.run(call(refuse, "DELETE", "/v1/sequences/abc"))
+    asyncio.run(call(refuse, "GET", "/v1/sequences/abc/append"))  # a POST-only route: still its template
+    asyncio.run(call(refuse, "GET", "/nowhere"))
+    try:
+        asyncio.run(call(crash, "POST", "/v1/step"))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the middleware must let the exception through")
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    assert histogram_counts(families, "kvpool_request_duration_seconds", ("route", "method", "status")) == {
+        ("/v1/sequences/{seq_id}", "DELETE", "401"): 1,
+        ("/v1/sequences/{seq_id}/append", "GET", "401"): 1,
+        ("unmatched", "GET", "401"): 1,
+        ("/v1/step", "POST", "500"): 1,
+    }
