@@ -17,6 +17,7 @@ EXPOSITION_FORMATS = {
 
 @router.get("/metrics", response_class=Response, responses=EXPOSITION_FORMATS)  # type: ignore[arg-type]
 async def metrics(request: Request, metrics: MetricsDep) -> Response:
-    """Pool occupancy, prefix-cache and request metrics for Prometheus (async: reads the pool on the loop)."""
+    """Pool occupancy, prefix-cache, eviction and latency metrics for Prometheus."""
+    # async on purpose: the collector reads the pool on the event loop, where every other access runs.
     body, content_type = metrics.render(request.headers.get("accept", ""))
     return Response(body, headers={"Content-Type": content_type})
