@@ -123,9 +123,22 @@ class SequenceTable(BlockTables):
     def tenant_pages(self, tenant: str) -> int:
         return self._tenant_pages.get(tenant, 0)
 
-    def tokens_stored(self) -> int:
-        rows = [s.row for s in self.sequences()]
-        return int(self.lengths[rows].sum()) if rows else 0
+    def tokens_in_used_pages(self) -> int:
+        """Token slots filled in the used pages, each physical page counted once.
+
+        Every page of a block table is full except the last; a shared page has the same fill in
+        every table holding it (an append copies a shared partial page first), so the filled slots
+        are all used pages full minus the empty tail of each distinct partial last page. Unlike a
+        sum of sequence lengths, this counts pages shared by forks or prefix hits once.
+        """
+        size = self.page_size
+        rows = np.array([s.row for s in self.sequences()], dtype=np.int64)
+        lengths = self.lengths[rows]
+        partial = np.nonzero(lengths % size)[0]
+        tails = self.tables[rows[partial], self.num_pages[rows[partial]] - 1].astype(np.int64)
+        _, first = np.unique(tails, return_index=True)
+        empty_slots = int((size - lengths[partial][first] % size).sum())
+        return self.allocator.num_used * size - empty_slots
 
     # -- create / fork / free -----------------------------------------------------------------
     def create(
