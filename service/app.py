@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from service import __version__
 from service.config import Settings
 from service.http_errors import install_error_handlers
-from service.routes import attend, pool, sequences, step
+from service.routes import attend, ipc, pool, sequences, step
 from service.state import PoolState
 
 
@@ -31,6 +31,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.pool = state
     install_error_handlers(app)
-    for module in (sequences, step, attend, pool):
+    for module in (sequences, step, attend, pool, ipc):
         app.include_router(module.router)
     return app
