@@ -165,7 +165,8 @@ def reference_generate(model: LlamaForCausalLM, prompt: Sequence[int], max_new_t
     """transformers' own greedy generate (its dynamic cache, SDPA attention), one prompt at a time."""
     model.set_attn_implementation("sdpa")
     input_ids = torch.tensor([list(prompt)])
-    out = model.generate(
+    hf_model: Any = model  # transformers' typing of generate() varies between versions
+    out = hf_model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=max_new_tokens,
@@ -193,7 +194,8 @@ def main() -> None:
             pool.close()
     for prompt, tokens in zip(prompts, result.tokens):
         ref = reference_generate(model, prompt, args.max_new_tokens).tokens[0]
-        print(f"prompt {prompt}\n  kvpool       {tokens}\n  transformers {ref}  {'same' if ref == tokens else 'DIFFERENT'}")
+        verdict = "same" if ref == tokens else "DIFFERENT"
+        print(f"prompt {prompt}\n  kvpool       {tokens}\n  transformers {ref}  {verdict}")
 
 
 if __name__ == "__main__":
