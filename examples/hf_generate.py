@@ -97,17 +97,18 @@ def kvpool_attention(
         out = batch.client.attend(layer, batch.seq_ids, q, batch.q_lens, k=k, v=v, scale=scaling)
     else:
         batch.pool.write(k, v, batch.step.slots, layer=layer)
+        device = batch.pool.device  # the pool may sit on a GPU while this model runs on the CPU
         out_ = paged_attention_ref(
-            q,
+            q.to(device),
             batch.pool.blocks,
             layer,
-            batch.step.lookup_table.to(torch.int64),
+            batch.step.lookup_table.to(device, torch.int64),
             batch.step.cache_lengths.to(torch.int64),
             batch.query_start_loc,
             scale=scaling,
         )
         assert isinstance(out_, torch.Tensor)
-        out = out_
+        out = out_.to(query.device)
     return out[None], None
 
 

@@ -72,3 +72,10 @@ def test_generation_through_http_attend(model: Any, reference: Any, start_server
 def test_generation_through_the_mapped_pool(model: Any, reference: Any, start_server: Any) -> None:
     server = start_server({**pool_env(model), "KVPOOL_NUM_PAGES": "64"})
     run_rounds(model, server, reference, use_ipc=True)
+
+
+@pytest.mark.gpu
+def test_generation_through_a_cuda_ipc_handle(model: Any, reference: Any, start_server: Any) -> None:
+    """The pool on the GPU, opened in this process through its CUDA IPC handle; the model stays on the CPU."""
+    server = start_server({**pool_env(model), "KVPOOL_NUM_PAGES": "64", "KVPOOL_DEVICE": "cuda"})
+    run_rounds(model, server, reference, use_ipc=True)

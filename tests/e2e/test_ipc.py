@@ -18,6 +18,7 @@ import torch
 
 from service.attach import PoolLost
 from service.client import KVPoolClient
+from service.cuda_ipc import expandable_segments_enabled
 from tests.conftest import REPO, SMALL_POOL, Server
 from tests.e2e.test_walkthrough import dense_attention
 
@@ -26,6 +27,7 @@ from tests.e2e.test_walkthrough import dense_attention
 WRITER = """
 import sys, torch
 from service.client import KVPoolClient
+from service.cuda_ipc import expandable_segments_enabled
 
 url, out_path = sys.argv[1], sys.argv[2]
 torch.manual_seed(int(sys.argv[3]))
@@ -176,3 +178,35 @@ def test_segment_is_reclaimed_even_after_sigkill(start_server: Any) -> None:
     while segment.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not segment.exists()
+
+
+def test_the_readme_frontend_example_runs(cpu_server: Server) -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Using kvpool from a frontend process", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "client.attach()" in code and "pool.write(" in code
+    exec(compile(code.replace("http://127.0.0.1:8000", cpu_server.url), "README.md", "exec"), {})
+    with KVPoolClient(cpu_server.url) as client:
+        assert client.pool()["num_sequences"] == 0
+
+
+@pytest.mark.parametrize(
+    ("conf", "enabled"),
+    [
+        ("", False),
+        ("expandable_segments:True", True),
+        ("max_split_size_mb:128, expandable_segments:true", True),
+        ("expandable_segments:False", False),
+    ],
+)
+def test_expandable_segments_detection(monkeypatch: pytest.MonkeyPatch, conf: str, enabled: bool) -> None:
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    assert expandable_segments_enabled() is enabled
+
+
+@pytest.mark.gpu
+def test_expandable_segments_are_refused_at_start(start_server: Any) -> None:
+    with pytest.raises(RuntimeError, match="expandable_segments") as info:
+        start_server({"KVPOOL_DEVICE": "cuda", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert "exited with 2" in str(info.value)
