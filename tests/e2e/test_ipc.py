@@ -18,6 +18,7 @@ import torch
 
 from service.attach import PoolLost
 from service.client import KVPoolClient
+from service.core.errors import SequenceNotFound
 from service.cuda_ipc import expandable_segments_enabled
 from tests.conftest import REPO, SMALL_POOL, Server
 from tests.e2e.test_walkthrough import dense_attention
@@ -27,6 +28,7 @@ from tests.e2e.test_walkthrough import dense_attention
 WRITER = """
 import sys, torch
 from service.client import KVPoolClient
+from service.core.errors import SequenceNotFound
 from service.cuda_ipc import expandable_segments_enabled
 
 url, out_path = sys.argv[1], sys.argv[2]
@@ -111,6 +113,8 @@ def check_cross_process(server: Server, tmp_path: Path, device: str) -> None:
             k, v = pool.read([8, 9, 10], layer=1)
             assert torch.equal(k.cpu(), kb[1]) and torch.equal(v.cpu(), vb[1])
             assert not pool.blocks[-1].any(), "the null page must stay zero"
+        for seq_id in ("a", "b"):
+            client.free(seq_id)
 
 
 def test_ipc_description_matches_pool(cpu_server: Server) -> None:
@@ -186,8 +190,8 @@ def test_the_readme_frontend_example_runs(cpu_server: Server) -> None:
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "client.attach()" in code and "pool.write(" in code
     exec(compile(code.replace("http://127.0.0.1:8000", cpu_server.url), "README.md", "exec"), {})
-    with KVPoolClient(cpu_server.url) as client:
-        assert client.pool()["num_sequences"] == 0
+    with KVPoolClient(cpu_server.url) as client, pytest.raises(SequenceNotFound):
+        client.get_sequence("req-1")  # the example freed what it allocated
 
 
 @pytest.mark.parametrize(
