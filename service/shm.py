@@ -54,15 +54,42 @@ class Segment:
             pass
 
 
+SHM_DIR = "/dev/shm"
+
+
+def _no_room(nbytes: int, available: int | None, reason: str = "") -> RuntimeError:
+    have = f" ({available / 2**30:.2f} GiB free)" if available is not None else ""
+    return RuntimeError(
+        f"the pool needs {nbytes / 2**30:.2f} GiB of shared memory but {SHM_DIR} cannot hold it{have}{reason}; "
+        "make the pool smaller or /dev/shm larger (e.g. docker run --shm-size)"
+    )
+
+
+def _shm_available() -> int | None:
+    if not os.path.isdir(SHM_DIR):
+        return None
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 def create_shared(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Segment]:
     """A zero-filled tensor in a new segment `/dev/shm/<name>` (fails if the name exists)."""
-    nbytes = math.prod(shape) * _itemsize(dtype)
+    nbytes = max(math.prod(shape) * _itemsize(dtype), 1)
+    available = _shm_available()
+    if available is not None and nbytes > available:
+        raise _no_room(nbytes, available)
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     segment = Segment(name, nbytes)
     try:
         resource_tracker.register("/" + name, "shared_memory")
-        os.ftruncate(fd, max(nbytes, 1))  # new pages read as zeros: the null page starts (and stays) zero
-        buffer = mmap.mmap(fd, max(nbytes, 1))
+        os.ftruncate(fd, nbytes)  # new pages read as zeros: the null page starts (and stays) zero
+        if hasattr(os, "posix_fallocate"):
+            # Reserve the pages now: a tmpfs that runs out later answers a write with SIGBUS, not an error.
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise _no_room(nbytes, available, f": {exc.strerror}") from exc
+        buffer = mmap.mmap(fd, nbytes)
     except BaseException:
         segment.unlink()
         raise

@@ -5,6 +5,7 @@ must be gone from /dev/shm once the server stops.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from service.attach import PoolLost
 from service.client import KVPoolClient
 from service.core.errors import SequenceNotFound
 from service.cuda_ipc import expandable_segments_enabled
-from tests.conftest import REPO, SMALL_POOL, Server
+from tests.conftest import REPO, SMALL_POOL, Server, free_port
 from tests.e2e.test_walkthrough import dense_attention
 
 # Runs in a second process: bookkeeping over HTTP, K/V written through the mapped pool, and the
@@ -209,8 +210,28 @@ def test_expandable_segments_detection(monkeypatch: pytest.MonkeyPatch, conf: st
     assert expandable_segments_enabled() is enabled
 
 
+def serve_expecting_refusal(env: dict[str, str]) -> str:
+    """Run `kvpool serve` that must refuse to start: exit status 2; returns its output."""
+    cmd = [sys.executable, "-m", "service", "serve", "--port", str(free_port())]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **SMALL_POOL, **env}
+    proc = subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    return proc.stderr
+
+
 @pytest.mark.gpu
-def test_expandable_segments_are_refused_at_start(start_server: Any) -> None:
-    with pytest.raises(RuntimeError, match="expandable_segments") as info:
-        start_server({"KVPOOL_DEVICE": "cuda", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
-    assert "exited with 2" in str(info.value)
+def test_expandable_segments_are_refused_at_start() -> None:
+    err = serve_expecting_refusal({"KVPOOL_DEVICE": "cuda", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert "cannot start" in err and "expandable_segments" in err
+
+
+def test_a_pool_larger_than_dev_shm_is_refused_at_start() -> None:
+    """Refused up front (a tmpfs that fills up later kills the server with SIGBUS on a write)."""
+    st = os.statvfs("/dev/shm")
+    page_nbytes = 2 * 8 * 4 * 2 * 1024 * 4
+    num_pages = st.f_bavail * st.f_frsize // page_nbytes + 1024
+    before = set(os.listdir("/dev/shm"))
+    env = {"KVPOOL_NUM_LAYERS": "8", "KVPOOL_HEAD_DIM": "1024", "KVPOOL_NUM_PAGES": str(num_pages)}
+    err = serve_expecting_refusal(env)
+    assert re.search(r"cannot start: the pool needs .* GiB of shared memory", err) and "--shm-size" in err
+    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvpool-")}
