@@ -102,7 +102,13 @@ def open_shared(
     name: str, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int], strides: list[int]
 ) -> torch.Tensor:
     """Map another process's segment: a tensor of `shape`/`strides` (in elements) at byte `offset`."""
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0)
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"shared-memory segment {name!r} does not exist: the server must run on this machine and share "
+            "its /dev/shm (and still be running)"
+        ) from None
     try:
         size = os.fstat(fd).st_size
         if size < offset + nbytes:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.attach import PoolLost
+from service.attach import AttachedPool, PoolLost
 from service.client import KVPoolClient
 from service.core.errors import SequenceNotFound
 from service.cuda_ipc import expandable_segments_enabled
@@ -164,6 +164,8 @@ def test_sigterm_unlinks_the_segment_and_a_restart_is_detected(start_server: Any
         with KVPoolClient(second.url) as other, pytest.raises(PoolLost, match="restarted") as info:
             other.check_attached(pool)
         assert info.value.code == "pool_lost"
+        with pytest.raises(FileNotFoundError, match="must run on this machine"):
+            AttachedPool(pool.description)  # the first server's segment is gone
 
 
 def test_sigint_unlinks_the_segment(start_server: Any) -> None:
