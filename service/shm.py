@@ -14,7 +14,6 @@ import _posixshmem  # the C module behind multiprocessing.shared_memory (POSIX o
 import math
 import mmap
 import os
-import warnings
 from multiprocessing import resource_tracker
 
 import torch
@@ -25,10 +24,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _tensor_over(buffer: mmap.mmap, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
-    count = math.prod(shape)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer warns about non-writable buffers only; ours are writable
-        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+    # The tensor holds the mmap object (through the buffer protocol) for as long as any view lives.
+    flat = torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=offset)
     return flat.view(shape)
 
 
