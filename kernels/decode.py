@@ -18,10 +18,10 @@ from kernels.checks import (
     check_devices,
     check_float,
     check_layer,
-    dot_precision,
+    dot_settings,
     next_pow2,
 )
-from kernels.paged import LN2, LOG2E, _kv_row_offsets, _softcap
+from kernels.paged import LN2, LOG2E, _dot, _kv_row_offsets, _softcap
 
 MAX_SPLITS = 32
 
@@ -63,6 +63,7 @@ def _decode_kernel(
     USE_SOFTCAP: tl.constexpr,
     RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,7 +110,7 @@ def _decode_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale  # [BLOCK_G, BLOCK_N]
         if USE_SOFTCAP:
             s = _softcap(s, softcap)
         s = tl.where(valid[None, :], s * LOG2E, float("-inf"))
@@ -118,7 +119,7 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
     o = acc / l_i[:, None]
@@ -264,7 +265,7 @@ def paged_decode(
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, USE_SOFTCAP=bool(softcap), RETURN_LSE=return_lse,
-        DOT_PRECISION=dot_precision(blocks.dtype),
+        **dot_settings(blocks.dtype, q.device),
         num_warps=4, num_stages=3 if on_gpu else 1,
     )  # fmt: skip
     if splits > 1:

@@ -36,3 +36,12 @@ def _softcap(s, softcap):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return softcap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot, or a float32 dot of the same (already rounded) operands where UPCAST: Triton 3.9's
+    interpreter returns garbage for bfloat16 tl.dot, so CPU runs of bf16 pools take this path."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import as_index, check_blocks, check_devices, check_float, check_layer, dot_precision, next_pow2
-from kernels.paged import LN2, LOG2E, _kv_row_offsets, _softcap
+from kernels.checks import as_index, check_blocks, check_devices, check_float, check_layer, dot_settings, next_pow2
+from kernels.paged import LN2, LOG2E, _dot, _kv_row_offsets, _softcap
 
 
 @triton.jit
@@ -55,6 +55,7 @@ def _prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,7 +107,7 @@ def _prefill_kernel(
         kv_mask = (pos < kv_hi)[:, None] & d_mask[None, :]
         k = tl.load(k_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale  # [BLOCK_M, BLOCK_N]
         if USE_SOFTCAP:
             s = _softcap(s, softcap)
         visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > lower[:, None])
@@ -117,7 +118,7 @@ def _prefill_kernel(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
     o = acc / l_i[:, None]  # l_i > 0: every row sees its own position
@@ -207,7 +208,7 @@ def paged_prefill(
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=block_n or tuned_n,
         BLOCK_B=next_pow2(batch + 1), USE_SOFTCAP=bool(softcap), RETURN_LSE=return_lse,
-        DOT_PRECISION=dot_precision(blocks.dtype),
+        **dot_settings(blocks.dtype, q.device),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return (out, lse) if return_lse and lse is not None else out

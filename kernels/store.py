@@ -67,7 +67,7 @@ def store_kv(
 ) -> None:
     """k, v: [T, H, D] for one `layer`, or [L, T, H, D] for every layer when `layer` is None; slots: [T].
 
-    Same contract as kernels.reference.store_kv_ref; values are cast to the pool's dtype.
+    Same contract as kernels.reference.store_kv_ref; values are rounded to the pool's dtype.
     """
     num_pages, num_layers, page_size, num_kv_heads, head_dim = check_blocks(blocks)
     if layer is None:
@@ -83,6 +83,9 @@ def store_kv(
     check_devices(blocks, k=k, v=v, slots=slots)
     if num_tokens == 0:
         return
+    if k4.dtype != blocks.dtype:
+        # Round to nearest in torch: Triton's interpreter truncates float32 -> bfloat16.
+        k4, v4 = k4.to(blocks.dtype), v4.to(blocks.dtype)
     sb = blocks.stride()
     _store_kv_kernel[(num_tokens, k4.shape[0])](
         k4, v4, slots, blocks, first_layer, num_pages,
