@@ -72,9 +72,7 @@ def _decode_kernel(
 
     # The query sits at position cache_len; its own K/V are stored, so it sees cache_len + 1 tokens.
     kv_len = tl.load(cache_lengths_ptr + seq).to(tl.int32) + 1
-    start = 0
-    if window > 0:
-        start = tl.maximum(kv_len - window, 0)
+    start = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
     chunk = tl.cdiv(tl.cdiv(kv_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, kv_len)

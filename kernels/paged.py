@@ -3,8 +3,10 @@
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # attention runs in base 2 (exp2/log2); lse is returned in base e
-LN2 = 0.6931471805599453
+# Attention runs in base 2 (exp2/log2); lse is returned in base e. constexpr: @triton.jit code may
+# only read constexpr globals.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

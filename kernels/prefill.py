@@ -88,11 +88,9 @@ def _prefill_kernel(
     )  # [BLOCK_M, BLOCK_D]
 
     kv_hi = cache_len + tok_hi - q_begin  # one past the tile's last position
-    kv_lo = 0
-    lower = q_pos - kv_hi - 1  # below every position: no window
-    if window > 0:
-        kv_lo = tl.maximum(cache_len + tok_lo - q_begin - window + 1, 0)
-        lower = q_pos - window
+    # Keys at or below `lower` are outside the sliding window (none are without one).
+    kv_lo = tl.where(window > 0, tl.maximum(cache_len + tok_lo - q_begin - window + 1, 0), 0)
+    lower = tl.where(window > 0, q_pos - window, -1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
