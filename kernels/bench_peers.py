@@ -52,6 +52,18 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tor
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
+def sdpa_peer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[Callable[[], Any] | None, str]:
+    """SDPA flash with enable_gqa; where this torch's flash backend lacks GQA, on K/V repeated per
+    query head (same FLOPs, more bytes: the note says so)."""
+    fn, why = try_peer(lambda: lambda: sdpa(q, k, v, causal))
+    if fn is not None:
+        return fn, ""
+    group = q.shape[1] // k.shape[1]
+    k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    fn, why_rep = try_peer(lambda: lambda: sdpa(q, k_rep, v_rep, causal))
+    return fn, ("K/V heads repeated: " + why) if fn is not None else f"{why}; repeated: {why_rep}"
+
+
 def try_peer(make: Callable[[], Callable[[], Any]]) -> tuple[Callable[[], Any] | None, str]:
     """(a runnable peer, "") or (None, why not): a peer that fails must not stop the benchmark."""
     try:

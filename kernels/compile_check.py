@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     attn_ptrs |= {"out_ptr": f"*{dt}", "lse_ptr": "*fp32", "query_start_loc_ptr": "*i32"}
     dots = {"DOT_PRECISION": "ieee" if dt == "fp32" else "tf32", "UPCAST_DOT": False}
     for page, group, splits in ((16, 4, 1), (16, 4, 16), (128, 4, 1), (1, 8, 1)):
-        constexprs = {"GROUP": group, "HEAD_DIM": 128, "PAGE_SIZE": page, "BLOCK_G": 16, "BLOCK_D": 128}
+        constexprs: dict[str, Any] = {"GROUP": group, "HEAD_DIM": 128, "PAGE_SIZE": page, "BLOCK_G": 16, "BLOCK_D": 128}
         constexprs |= {"BLOCK_N": 64, "NUM_SPLITS": splits, "USE_SOFTCAP": True, "RETURN_LSE": True, **dots}
         types = attn_ptrs | floats | {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
         name = f"decode page {page} group {group} splits {splits}"

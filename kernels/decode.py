@@ -21,7 +21,7 @@ from kernels.checks import (
     dot_settings,
     next_pow2,
 )
-from kernels.paged import LN2, LOG2E, _dot, _kv_row_offsets, _softcap
+from kernels.paged import LN2, LOG2E, NO_WINDOW, _dot, _kv_row_offsets, _softcap
 
 MAX_SPLITS = 32
 
@@ -41,7 +41,7 @@ def _decode_kernel(
     lut_cols,
     scale,
     softcap,
-    window,  # 0: no sliding window
+    window,  # sliding window; NO_WINDOW without one
     stride_q_seq,
     stride_q_head,
     stride_blocks_page,
@@ -72,7 +72,7 @@ def _decode_kernel(
 
     # The query sits at position cache_len; its own K/V are stored, so it sees cache_len + 1 tokens.
     kv_len = tl.load(cache_lengths_ptr + seq).to(tl.int32) + 1
-    start = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
+    start = tl.maximum(kv_len - window, 0)
     chunk = tl.cdiv(tl.cdiv(kv_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, kv_len)
@@ -83,9 +83,9 @@ def _decode_kernel(
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     part_row = (seq * num_q_heads + heads).to(tl.int64) * NUM_SPLITS + split
-    if lo >= hi:
-        # Only with NUM_SPLITS > 1: an empty segment tells the merge to ignore it.
-        tl.store(part_lse_ptr + part_row, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_mask)
+    if lo >= hi:  # only with NUM_SPLITS > 1: segment 0 always holds the query's own position
+        if NUM_SPLITS > 1:  # tell the merge to ignore this segment
+            tl.store(part_lse_ptr + part_row, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_mask)
         return
 
     q = tl.load(
@@ -254,7 +254,7 @@ def paged_decode(
         layer, num_pages, lut.shape[1],
         1.0 / math.sqrt(head_dim) if scale is None else float(scale),
         float(softcap or 1.0),
-        int(sliding_window or 0),
+        min(sliding_window or NO_WINDOW, NO_WINDOW),
         q.stride(0), q.stride(1),
         sb[0], sb[1], sb[2], sb[3], sb[4],
         lut.stride(0),

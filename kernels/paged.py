@@ -7,6 +7,9 @@ import triton.language as tl
 # only read constexpr globals.
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# The `window` the kernels get without a sliding window: wider than any context (< 2**30 tokens),
+# so the window bounds need no branch.
+NO_WINDOW = 2**30
 
 
 @triton.jit
@@ -23,7 +26,8 @@ def _kv_row_offsets(
     """pos: [BLOCK_N] token positions of one sequence -> int64 offsets of their K rows in the pool.
 
     Positions at or past kv_end, LUT columns past the row, and LUT entries that are not a real
-    page (the sentinel, or garbage) all resolve to the null page, so no load ever leaves the pool.
+    page (the sentinel, or garbage) all resolve to the null page (index num_pages, the sentinel of
+    service.core.layout), so no load ever leaves the pool.
     """
     col = pos // PAGE_SIZE
     page = tl.load(lut_row_ptr + col, mask=(pos < kv_end) & (col < lut_cols), other=num_pages)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import as_index, check_blocks, check_devices, check_float, check_layer, dot_settings, next_pow2
-from kernels.paged import LN2, LOG2E, _dot, _kv_row_offsets, _softcap
+from kernels.paged import LN2, LOG2E, NO_WINDOW, _dot, _kv_row_offsets, _softcap
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _prefill_kernel(
     lut_cols,
     scale,
     softcap,
-    window,  # 0: no sliding window
+    window,  # sliding window; NO_WINDOW without one
     stride_q_token,
     stride_q_head,
     stride_blocks_page,
@@ -89,8 +89,8 @@ def _prefill_kernel(
 
     kv_hi = cache_len + tok_hi - q_begin  # one past the tile's last position
     # Keys at or below `lower` are outside the sliding window (none are without one).
-    kv_lo = tl.where(window > 0, tl.maximum(cache_len + tok_lo - q_begin - window + 1, 0), 0)
-    lower = tl.where(window > 0, q_pos - window, -1)
+    kv_lo = tl.maximum(cache_len + tok_lo - q_begin - window + 1, 0)
+    lower = q_pos - window
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -197,7 +197,7 @@ def paged_prefill(
         layer, batch, num_pages, lut.shape[1],
         1.0 / math.sqrt(head_dim) if scale is None else float(scale),
         float(softcap or 1.0),
-        int(sliding_window or 0),
+        min(sliding_window or NO_WINDOW, NO_WINDOW),
         q.stride(0), q.stride(1),
         sb[0], sb[1], sb[2], sb[3], sb[4],
         lut.stride(0),

@@ -8,6 +8,7 @@ kernels/ (store, decode when every sequence has one query, prefill otherwise). O
 triton backend runs them in Triton's interpreter (slow, but the same code path as on a GPU).
 """
 
+import contextlib
 import os
 import threading
 from types import ModuleType
@@ -42,6 +43,10 @@ class Engine:
 
         self._store, self._decode, self._prefill = store, decode, prefill
 
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        """Triton launches on the current CUDA device: make it the pool's (cuda:1 and up)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole pages (all layers, K and V): the copy-on-write of shared partial pages."""
         if not copies:
@@ -54,7 +59,7 @@ class Engine:
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, layer: int | None = None) -> None:
         """k, v: [L, T, H, D] (all layers) or [T, H, D] (one layer); slots: [T]."""
         k, v, slots = (t.to(self.device, non_blocking=True) for t in (k, v, slots))
-        with self.lock:
+        with self.lock, self._on_device():
             if self._store is not None:
                 self._store.store_kv(self.blocks, k, v, slots, layer)
             else:
@@ -116,7 +121,7 @@ class Engine:
         qd = q.to(dev, self.blocks.dtype)  # the kernels take q in the pool's dtype
         lut, cache_lengths = lookup_table.to(dev), cache_lengths.to(dev)
         options = {"scale": scale, "sliding_window": sliding_window, "softcap": softcap}
-        with self.lock:
+        with self.lock, self._on_device():
             if is_decode:
                 out = self._decode.paged_decode(qd, self.blocks, layer, lut, cache_lengths, **options)
             else:
