@@ -18,6 +18,60 @@ from kernels.paged import LN2, LOG2E, NO_WINDOW, _dot, _kv_row_offsets, _softcap
 
 
 @triton.jit
+def _prefill_tile(
+    q,  # [BLOCK_M, BLOCK_D]
+    m_i,  # [BLOCK_M] running max, base 2
+    l_i,  # [BLOCK_M] running sum
+    acc,  # [BLOCK_M, BLOCK_D] fp32
+    k_base,
+    v_base,
+    lut_row_ptr,
+    tile_lo,
+    kv_hi,
+    lut_cols,
+    num_pages,
+    stride_blocks_page,
+    stride_blocks_token,
+    scale,
+    softcap,
+    q_pos,  # [BLOCK_M]: row i sees keys in (lower[i], q_pos[i]]
+    lower,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One online-softmax step over keys [tile_lo, tile_lo + BLOCK_N) -> the new (m_i, l_i, acc)."""
+    pos = tile_lo + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    rows = _kv_row_offsets(
+        lut_row_ptr, pos, kv_hi, lut_cols, num_pages, stride_blocks_page, stride_blocks_token, PAGE_SIZE
+    )
+    kv_mask = (pos < kv_hi)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale  # [BLOCK_M, BLOCK_N]
+    if USE_SOFTCAP:
+        s = _softcap(s, softcap)
+    s = s * LOG2E
+    if MASKED:
+        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > lower[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    # A sliding window can hide a whole tile from some rows: keep their max at -inf without NaNs.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     blocks_ptr,  # [N + 1, 2, L, P, Hkv, D]
@@ -97,27 +151,30 @@ def _prefill_kernel(
     lut_row_ptr = lut_ptr + seq.to(tl.int64) * stride_lut_seq
     k_base = blocks_ptr + layer * stride_blocks_layer + kv_head * stride_blocks_head
     v_base = k_base + stride_blocks_kv
-    for tile_lo in range(kv_lo, kv_hi, BLOCK_N):
-        pos = tile_lo + tl.arange(0, BLOCK_N)
-        rows = _kv_row_offsets(
-            lut_row_ptr, pos, kv_hi, lut_cols, num_pages, stride_blocks_page, stride_blocks_token, PAGE_SIZE
-        )
-        kv_mask = (pos < kv_hi)[:, None] & d_mask[None, :]
-        k = tl.load(k_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale  # [BLOCK_M, BLOCK_N]
-        if USE_SOFTCAP:
-            s = _softcap(s, softcap)
-        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > lower[:, None])
-        s = tl.where(visible, s * LOG2E, float("-inf"))
-        # A sliding window can hide a whole tile from some rows: keep their max at -inf without NaNs.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        m_i = m_new
+    # KV tiles start at kv_lo. Tiles [full_first, full_end) hold only keys that every row sees (at or
+    # before the first row's position, inside the last row's window): they skip the mask. The rest,
+    # the window's ragged start and the causal diagonal, are masked.
+    num_tiles = tl.cdiv(kv_hi - kv_lo, BLOCK_N)
+    full_first = tl.cdiv(tl.maximum(kv_hi - window, 0) - kv_lo, BLOCK_N)
+    full_end = tl.maximum((cache_len + tok_lo - q_begin + 1 - kv_lo) // BLOCK_N, full_first)
+    for tile in range(0, full_first):
+        m_i, l_i, acc = _prefill_tile(
+            q, m_i, l_i, acc, k_base, v_base, lut_row_ptr, kv_lo + tile * BLOCK_N, kv_hi, lut_cols, num_pages,
+            stride_blocks_page, stride_blocks_token, scale, softcap, q_pos, lower,
+            HEAD_DIM, PAGE_SIZE, BLOCK_D, BLOCK_N, True, USE_SOFTCAP, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    for tile in range(full_first, full_end):
+        m_i, l_i, acc = _prefill_tile(
+            q, m_i, l_i, acc, k_base, v_base, lut_row_ptr, kv_lo + tile * BLOCK_N, kv_hi, lut_cols, num_pages,
+            stride_blocks_page, stride_blocks_token, scale, softcap, q_pos, lower,
+            HEAD_DIM, PAGE_SIZE, BLOCK_D, BLOCK_N, False, USE_SOFTCAP, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    for tile in range(full_end, num_tiles):
+        m_i, l_i, acc = _prefill_tile(
+            q, m_i, l_i, acc, k_base, v_base, lut_row_ptr, kv_lo + tile * BLOCK_N, kv_hi, lut_cols, num_pages,
+            stride_blocks_page, stride_blocks_token, scale, softcap, q_pos, lower,
+            HEAD_DIM, PAGE_SIZE, BLOCK_D, BLOCK_N, True, USE_SOFTCAP, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
 
     o = acc / l_i[:, None]  # l_i > 0: every row sees its own position
     tl.store(

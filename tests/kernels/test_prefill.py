@@ -76,6 +76,26 @@ def test_prefill_matches_reference_and_dense(
     assert blocks[num_pages].count_nonzero() == 0
 
 
+def test_prefill_window_wider_than_tiles() -> None:
+    """Windows spanning several KV tiles: masked window start, unmasked middle tiles, masked diagonal."""
+    chunks, window = [(60, 9), (100, 20), (0, 50)], 40
+    totals = [c + n for c, n in chunks]
+    blocks = random_pool(sum(-(-t // 4) for t in totals) + 2, 1, 4, 2, 64, torch.float32, seed=21)
+    data = place_sequences(blocks, 0, totals, seed=21)
+    q = torch.randn(sum(n for _, n in chunks), 8, 64, generator=torch.Generator().manual_seed(22))
+    query_start_loc = torch.tensor([0, *(n for _, n in chunks)]).cumsum(0)
+    out = torch.full_like(q, float("nan"))
+    cache_lengths = torch.tensor([c for c, _ in chunks])
+    paged_prefill(q, blocks, 0, data.lookup_table, cache_lengths, query_start_loc, sliding_window=window, out=out,
+                  block_m=16, block_n=16)  # fmt: skip
+    starts = query_start_loc.tolist()
+    for i, (cached, new) in enumerate(chunks):
+        lo, hi = starts[i], starts[i + 1]
+        positions = torch.arange(cached, cached + new)
+        want, _ = dense_attention(q[lo:hi], positions, data.keys[i], data.values[i], sliding_window=window)
+        assert_close(out[lo:hi], want, torch.float32, f"sequence {i} {cached}+{new}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 128])
 def test_prefill_gpu_bf16_chunks(page_size: int) -> None:
