@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["decode", "prefill"], help="run one kernel's sweep")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--interpret-smoke", action="store_true", help="without CUDA: a tiny interpreter run")
+    parser.add_argument("--tune", action="store_true", help="sweep launch settings of the target shapes instead")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels.bench: no CUDA device here, so nothing is timed (the figures need an H100/H200).")
@@ -201,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbs = copy_bandwidth(dev)
     print(f"device: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB; "
           f"torch {torch.__version__}; device-to-device copy {copy_gbs:.0f} GB/s (read + write)")  # fmt: skip
+    if args.tune:
+        from kernels.bench_tune import tune
+
+        tune(median_ms)
+        return 0
     rows: list[dict[str, Any]] = []
     if args.only in (None, "decode"):
         bench_decode(QUICK_DECODE if args.quick else DECODE_SHAPES, copy_gbs, rows)

@@ -77,3 +77,10 @@ def dot_settings(dtype: torch.dtype, device: torch.device) -> dict[str, str | bo
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def check_block(name: str, value: int, minimum: int = 16) -> int:
+    """Tile sizes feed tl.arange and tl.dot: powers of 2, at least 16."""
+    if not isinstance(value, int) or value < minimum or value & (value - 1):
+        raise ValueError(f"{name} must be a power of 2 >= {minimum}, not {value!r}")
+    return value

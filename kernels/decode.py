@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kernels.checks import (
     as_index,
+    check_block,
     check_blocks,
     check_devices,
     check_float,
@@ -205,12 +206,14 @@ def paged_decode(
     lse: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] at position cache_lengths[b] -> out [B, Hq, D] (q's dtype) [, lse [B, Hq] fp32].
 
     The query's own K/V must already be stored (it attends cache_lengths[b] + 1 positions).
-    `out`/`lse` may be given to write into; `num_splits` (a power of 2 up to 32) and `block_n`
-    override the tuned choices.
+    `out`/`lse` may be given to write into; `num_splits` (a power of 2 up to 32), `block_n`,
+    `num_warps` and `num_stages` override the tuned choices (kernels.bench --tune sweeps them).
     """
     num_pages, num_layers, page_size, num_kv_heads, head_dim = check_blocks(blocks)
     check_layer(layer, num_layers)
@@ -241,7 +244,7 @@ def paged_decode(
     group = num_q_heads // num_kv_heads
     block_d = max(16, next_pow2(head_dim))
     on_gpu = q.device.type == "cuda"
-    block_n = block_n or 64
+    block_n = check_block("block_n", block_n or 64)
     lse_arg = lse if lse is not None else out  # never written unless RETURN_LSE
     if splits > 1:
         part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
@@ -264,7 +267,7 @@ def paged_decode(
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, USE_SOFTCAP=bool(softcap), RETURN_LSE=return_lse,
         **dot_settings(blocks.dtype, q.device),
-        num_warps=4, num_stages=3 if on_gpu else 1,
+        num_warps=num_warps or 4, num_stages=num_stages or (3 if on_gpu else 1),
     )  # fmt: skip
     if splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](

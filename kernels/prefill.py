@@ -13,7 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import as_index, check_blocks, check_devices, check_float, check_layer, dot_settings, next_pow2
+from kernels.checks import (
+    as_index,
+    check_block,
+    check_blocks,
+    check_devices,
+    check_float,
+    check_layer,
+    dot_settings,
+    next_pow2,
+)
 from kernels.paged import LN2, LOG2E, NO_WINDOW, _dot, _kv_row_offsets, _softcap
 
 
@@ -210,11 +219,13 @@ def paged_prefill(
     lse: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D] -> out [T, Hq, D] (q's dtype) [, lse [T, Hq] fp32]; see kernels.reference.paged_attention_ref.
 
-    `out`/`lse` may be given to write into; `block_m` (rows = query tokens x GQA group, a power of 2)
-    and `block_n` override the tuned tile.
+    `out`/`lse` may be given to write into; `block_m` (rows = query tokens x GQA group, a power of 2),
+    `block_n`, `num_warps` and `num_stages` override the tuned choices (kernels.bench --tune sweeps them).
     """
     num_pages, num_layers, page_size, num_kv_heads, head_dim = check_blocks(blocks)
     check_layer(layer, num_layers)
@@ -242,10 +253,11 @@ def paged_prefill(
         return (out, lse) if return_lse and lse is not None else out
 
     group = num_q_heads // num_kv_heads
-    tuned_m, tuned_n, num_warps, num_stages = _tile_shape(group, head_dim, q.device.type == "cuda")
+    tuned_m, tuned_n, tuned_warps, tuned_stages = _tile_shape(group, head_dim, q.device.type == "cuda")
     block_m = block_m or tuned_m
     if block_m < 16 or block_m & (block_m - 1) or block_m < group:
         raise ValueError(f"block_m must be a power of 2 >= max(16, group={group}), not {block_m}")
+    block_n = check_block("block_n", block_n or tuned_n)
     block_q = block_m // group
     sb = blocks.stride()
     grid = (-(-num_tokens // block_q) + batch, num_kv_heads)
@@ -261,9 +273,9 @@ def paged_prefill(
         out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=block_n or tuned_n,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=block_n,
         BLOCK_B=next_pow2(batch + 1), USE_SOFTCAP=bool(softcap), RETURN_LSE=return_lse,
         **dot_settings(blocks.dtype, q.device),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps or tuned_warps, num_stages=num_stages or tuned_stages,
     )  # fmt: skip
     return (out, lse) if return_lse and lse is not None else out

@@ -68,6 +68,8 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], str]] = [
     (paged_decode, decode_args(cache_lengths=torch.zeros(3, dtype=torch.int32)), "cache_lengths must have"),
     (paged_decode, decode_args(num_splits=3), "num_splits must be a power of 2"),
     (paged_decode, decode_args(sliding_window=0), "sliding_window must be >= 1"),
+    (paged_decode, decode_args(block_n=8), "block_n must be a power of 2 >= 16"),
+    (paged_prefill, prefill_args(block_n=48), "block_n must be a power of 2 >= 16"),
     (paged_decode, decode_args(softcap=-1.0), "softcap must be > 0"),
     (paged_decode, decode_args(out=torch.empty(2, 4, D).half()), "out must be"),
     (paged_decode, decode_args(return_lse=True, lse=torch.empty(2, 5)), "lse must be float32 [2, 4]"),
