@@ -8,6 +8,14 @@ import torch
 
 from service.core.layout import lut_columns, pages_for, sentinel
 
+# The small tests run the kernels compiled on a GPU when there is one, else through Triton's
+# interpreter on the CPU; data, references and float64 checks stay on the CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEVICE) for t in tensors]
+
 
 def random_pool(
     num_pages: int, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int

@@ -5,7 +5,7 @@ import torch
 
 from kernels.decode import paged_decode, pick_num_splits
 from kernels.reference import paged_decode_ref
-from tests.kernels.paged_data import assert_close, dense_attention, place_sequences, random_pool
+from tests.kernels.paged_data import DEVICE, assert_close, dense_attention, on_device, place_sequences, random_pool
 
 NUM_KV_HEADS = 2
 LAYER = 1
@@ -50,13 +50,16 @@ def test_decode_matches_reference_and_dense(
     q = torch.randn(len(lengths), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
     cache_lengths = torch.tensor(lengths, dtype=torch.int32)
     options = {"sliding_window": window, "softcap": softcap}
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"))
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
+    d_q, d_blocks, d_lut, d_lengths = on_device(q, blocks, data.lookup_table, cache_lengths)
 
     paged_decode(
-        q, blocks, LAYER, data.lookup_table, cache_lengths,
+        d_q, d_blocks, LAYER, d_lut, d_lengths,
         return_lse=True, out=out, lse=lse, num_splits=splits, block_n=block_n, **options,
     )  # fmt: skip
+
+    out, lse = out.cpu(), lse.cpu()
 
     ref_out, ref_lse = paged_decode_ref(q, blocks, LAYER, data.lookup_table, cache_lengths, return_lse=True, **options)
     assert_close(out, ref_out, dtype, "out vs reference")
@@ -65,7 +68,7 @@ def test_decode_matches_reference_and_dense(
         want_out, want_lse = dense_attention(q[i : i + 1], torch.tensor([n]), data.keys[i], data.values[i], **options)
         assert_close(out[i : i + 1], want_out, dtype, f"out vs dense, sequence {i} (cache length {n})")
         assert_close(lse[i : i + 1], want_lse, dtype, f"lse vs dense, sequence {i}")
-    assert blocks[num_pages].count_nonzero() == 0
+    assert d_blocks[num_pages].count_nonzero() == 0
 
 
 def test_decode_without_lse_and_explicit_scale() -> None:
@@ -73,9 +76,11 @@ def test_decode_without_lse_and_explicit_scale() -> None:
     lengths = [9, 0, 15]
     data = place_sequences(blocks, 0, [n + 1 for n in lengths], seed=7)
     q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(8))
-    out = torch.full_like(q, float("nan"))
-    result = paged_decode(q, blocks, 0, data.lookup_table, torch.tensor(lengths), scale=0.3, out=out, num_splits=2)
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    d_q, d_blocks, d_lut, d_lengths = on_device(q, blocks, data.lookup_table, torch.tensor(lengths))
+    result = paged_decode(d_q, d_blocks, 0, d_lut, d_lengths, scale=0.3, out=out, num_splits=2)
     assert result is out
+    out = out.cpu()
     for i, n in enumerate(lengths):
         want, _ = dense_attention(q[i : i + 1], torch.tensor([n]), data.keys[i], data.values[i], scale=0.3)
         assert_close(out[i : i + 1], want, torch.float32, f"sequence {i}")

@@ -5,7 +5,7 @@ import torch
 
 from kernels.prefill import paged_prefill
 from kernels.reference import paged_attention_ref
-from tests.kernels.paged_data import assert_close, dense_attention, place_sequences, random_pool
+from tests.kernels.paged_data import DEVICE, assert_close, dense_attention, on_device, place_sequences, random_pool
 
 NUM_KV_HEADS = 2
 LAYER = 0
@@ -53,13 +53,16 @@ def test_prefill_matches_reference_and_dense(
     cache_lengths = torch.tensor([c for c, _ in chunks])
     query_start_loc = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     options = {"sliding_window": window, "softcap": softcap}
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"))
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
+    d_q, d_blocks, d_lut, d_lengths, d_qsl = on_device(q, blocks, data.lookup_table, cache_lengths, query_start_loc)
 
     paged_prefill(
-        q, blocks, LAYER, data.lookup_table, cache_lengths, query_start_loc,
+        d_q, d_blocks, LAYER, d_lut, d_lengths, d_qsl,
         return_lse=True, out=out, lse=lse, block_m=block_m, block_n=block_n, **options,
     )  # fmt: skip
+
+    out, lse = out.cpu(), lse.cpu()
 
     ref_out, ref_lse = paged_attention_ref(
         q, blocks, LAYER, data.lookup_table, cache_lengths, query_start_loc, return_lse=True, **options
@@ -73,7 +76,7 @@ def test_prefill_matches_reference_and_dense(
         want_out, want_lse = dense_attention(q[lo:hi], positions, data.keys[i], data.values[i], **options)
         assert_close(out[lo:hi], want_out, dtype, f"out vs dense, sequence {i} {cached}+{new}")
         assert_close(lse[lo:hi], want_lse, dtype, f"lse vs dense, sequence {i}")
-    assert blocks[num_pages].count_nonzero() == 0
+    assert d_blocks[num_pages].count_nonzero() == 0
 
 
 def test_prefill_window_wider_than_tiles() -> None:
@@ -84,10 +87,11 @@ def test_prefill_window_wider_than_tiles() -> None:
     data = place_sequences(blocks, 0, totals, seed=21)
     q = torch.randn(sum(n for _, n in chunks), 8, 64, generator=torch.Generator().manual_seed(22))
     query_start_loc = torch.tensor([0, *(n for _, n in chunks)]).cumsum(0)
-    out = torch.full_like(q, float("nan"))
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
     cache_lengths = torch.tensor([c for c, _ in chunks])
-    paged_prefill(q, blocks, 0, data.lookup_table, cache_lengths, query_start_loc, sliding_window=window, out=out,
-                  block_m=16, block_n=16)  # fmt: skip
+    d_args = on_device(q, blocks, data.lookup_table, cache_lengths, query_start_loc)
+    paged_prefill(d_args[0], d_args[1], 0, *d_args[2:], sliding_window=window, out=out, block_m=16, block_n=16)
+    out = out.cpu()
     starts = query_start_loc.tolist()
     for i, (cached, new) in enumerate(chunks):
         lo, hi = starts[i], starts[i + 1]

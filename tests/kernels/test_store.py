@@ -6,7 +6,7 @@ import torch
 from kernels.reference import store_kv_ref
 from kernels.store import store_kv
 from service.core.layout import sentinel
-from tests.kernels.paged_data import random_pool
+from tests.kernels.paged_data import on_device, random_pool
 
 
 def expected_after_store(
@@ -59,8 +59,10 @@ def test_store_writes_exact_slots_and_skips_the_rest(
     by_ref = blocks.clone()
     store_kv_ref(by_ref, k, v, torch.tensor(slots), layer)
 
-    store_kv(blocks, k, v, torch.tensor(slots), layer)
+    d_blocks, d_k, d_v, d_slots = on_device(blocks, k, v, torch.tensor(slots))
+    store_kv(d_blocks, d_k, d_v, d_slots, layer)
 
+    blocks = d_blocks.cpu()
     assert torch.equal(blocks, want)
     assert torch.equal(blocks, by_ref)
     assert blocks[num_pages].count_nonzero() == 0
@@ -80,8 +82,10 @@ def test_store_through_a_lookup_table_with_sentinel_rows() -> None:
     k, v = torch.randn(2, len(slots), 2, 128), torch.randn(2, len(slots), 2, 128)
     want = expected_after_store(blocks, k, v, slots.tolist(), None)
 
-    store_kv(blocks, k, v, slots.to(torch.int32))
+    d_blocks, d_k, d_v, d_slots = on_device(blocks, k, v, slots.to(torch.int32))
+    store_kv(d_blocks, d_k, d_v, d_slots)
 
+    blocks = d_blocks.cpu()
     assert torch.equal(blocks, want)
     assert blocks[num_pages].count_nonzero() == 0
     # Only positions 0..7 of row 0 and 0..3 of row 1 had real pages.
@@ -91,8 +95,10 @@ def test_store_through_a_lookup_table_with_sentinel_rows() -> None:
 def test_store_of_no_tokens_is_a_no_op() -> None:
     blocks = random_pool(3, 1, 4, 2, 64, torch.float32, seed=4)
     before = blocks.clone()
-    store_kv(blocks, torch.empty(0, 2, 64), torch.empty(0, 2, 64), torch.empty(0, dtype=torch.int64), 0)
-    assert torch.equal(blocks, before)
+    (d_blocks,) = on_device(blocks)
+    empty = torch.empty(0, 2, 64, device=d_blocks.device)
+    store_kv(d_blocks, empty, empty, torch.empty(0, dtype=torch.int64, device=d_blocks.device), 0)
+    assert torch.equal(d_blocks.cpu(), before)
 
 
 @pytest.mark.gpu
