@@ -21,6 +21,7 @@ CASES = [
     (8, 1, 64, torch.float32, 4, 16, None, 3.0),
     (4, 16, 128, torch.bfloat16, 4, 16, None, None),
     (1, 4, 64, torch.float16, 2, None, 3, 4.0),
+    (4, 256, 64, torch.float32, 2, 64, None, 2.0),  # the largest page size
 ]
 
 
