@@ -21,9 +21,8 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 # The pool holds one page more than it hands out: the null page, at index num_pages.
 NUM_NULL_PAGES = 1
-# Page ids stay below 2**31 (Settings.num_pages < 2**31 - 1), so a kernel may read a uint32
-# lookup table as int32 without changing any value.
-MAX_PAGE_ID = 2**31 - 1
+# Page ids (the sentinel included) stay below 2**31 - 1 (Settings.num_pages < 2**31 - 1), so a
+# kernel may read a uint32 lookup table as int32 without changing any value.
 
 
 def sentinel(num_pages: int) -> int:
