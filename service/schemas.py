@@ -134,6 +134,7 @@ class PoolOut(BaseModel):
     num_sequences: int
     sentinel: int
     instance_id: str
+    attention_backend: str = Field(description="the backend attention runs on: triton or torch (resolved from auto)")
 
 
 class ErrorBody(BaseModel):
