@@ -27,6 +27,14 @@ def _check_token_ids(num_tokens: int, token_ids: list[int] | None) -> None:
 class CreateSequence(Strict):
     seq_id: SeqId | None = None
     token_ids: list[TokenId] | None = None
+    ttl_s: float | None = Field(
+        None,
+        ge=0,
+        le=31_536_000,
+        allow_inf_nan=False,
+        description="lease in seconds, renewed by every call naming the sequence (a fork inherits it); "
+        "freed when it runs out. Default KVPOOL_DEFAULT_TTL_S; 0: no expiry",
+    )
 
 
 class ForkSequence(Strict):
@@ -38,6 +46,8 @@ class SequenceOut(BaseModel):
     length: int
     block_table: list[int]
     cached_tokens: int
+    ttl_s: float | None = Field(None, description="the lease (present only on leased sequences)")
+    expires_in_s: float | None = Field(None, description="seconds left on the lease at this response")
 
 
 class AppendRequest(Strict):
@@ -64,14 +74,11 @@ class FreeOut(BaseModel):
 
 
 class StepAppend(Strict):
+    # No Python validator here: it would run once per sequence of every step. The core checks
+    # that token_ids has num_tokens ids (422 invalid_request) before changing anything.
     seq_id: SeqId
     num_tokens: int = Field(ge=1, le=2**31)
     token_ids: list[TokenId] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "StepAppend":
-        _check_token_ids(self.num_tokens, self.token_ids)
-        return self
 
 
 class StepRequest(Strict):
@@ -127,6 +134,7 @@ class PoolOut(BaseModel):
     num_sequences: int
     sentinel: int
     instance_id: str
+    attention_backend: str = Field(description="the backend attention runs on: triton or torch (resolved from auto)")
 
 
 class ErrorBody(BaseModel):
@@ -141,3 +149,21 @@ class ErrorOut(BaseModel):
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` entries documenting the error envelope for these statuses."""
     return {status: {"model": ErrorOut} for status in statuses}
+
+
+class IpcTensor(BaseModel):
+    dtype: str
+    shape: list[int]
+    strides: list[int] = Field(description="in elements")
+    handle: dict[str, Any] = Field(
+        description='posix_shm: {"name", "offset", "nbytes"} of /dev/shm/<name>; '
+        'cuda_ipc: a CUDA IPC memory handle of the storage, keyed by "device_uuid"'
+    )
+
+
+class IpcOut(BaseModel):
+    model_config = ConfigDict(extra="allow")  # further pool tensors (e.g. FP8 scales) sit beside blocks
+
+    kind: Literal["posix_shm", "cuda_ipc"]
+    blocks: IpcTensor
+    instance_id: str

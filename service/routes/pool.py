@@ -3,10 +3,11 @@
 from fastapi import APIRouter
 from starlette.responses import Response
 
+from service.routing import ORJSONRoute
 from service.schemas import PoolOut
 from service.state import StateDep, json_response
 
-router = APIRouter(tags=["pool"])
+router = APIRouter(tags=["pool"], route_class=ORJSONRoute)
 
 
 @router.get("/v1/pool", response_model=PoolOut)
@@ -28,6 +29,7 @@ async def pool_info(pool: StateDep) -> Response:
             "num_sequences": len(pool.sequences),
             "sentinel": pool.sequences.sentinel,
             "instance_id": pool.instance_id,
+            "attention_backend": pool.engine.backend,
         }
     )
 
