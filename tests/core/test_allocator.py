@@ -5,6 +5,7 @@ import hashlib
 import numpy as np
 import pytest
 
+from service.core import allocator as allocator_module
 from service.core.allocator import PageAllocator
 from service.core.errors import OutOfPages
 from service.core.hashing import page_hash, root_hash, token_bytes
@@ -19,11 +20,18 @@ def counts(a: PageAllocator) -> tuple[int, int, int]:
     return a.num_used, a.num_cached, a.num_free
 
 
-def commit_tokens(a: PageAllocator, page: int, tokens: list[int], parent: bytes | None = None) -> bytes:
-    data = token_bytes(tokens)
-    h = page_hash(root_hash("") if parent is None else parent, data)
-    a.commit(page, h, data)
-    return h
+ROOT = root_hash("")
+
+
+def commit_tokens(a: PageAllocator, page: int, tokens: list[int], parent: bytes = ROOT) -> bytes:
+    """Commit one full page holding `tokens`; returns its chained hash."""
+    return a.commit([page], parent, token_bytes(tokens), 8 * len(tokens))
+
+
+def find(a: PageAllocator, pages_of_tokens: list[list[int]], parent: bytes = ROOT) -> list[int]:
+    """The committed pages matching the leading pages of a prompt."""
+    data = token_bytes([t for page in pages_of_tokens for t in page])
+    return a.match(parent, data, 8 * len(pages_of_tokens[0]))[0]
 
 
 def test_fresh_pool_hands_out_pages_in_order() -> None:
@@ -76,43 +84,54 @@ def test_shared_pages_stay_used_until_the_last_reference() -> None:
     assert counts(a) == (0, 0, 4)
 
 
-def test_committed_pages_become_cached_on_release_and_are_found_by_hash_and_tokens() -> None:
+def test_committed_pages_become_cached_on_release_and_are_found_by_their_tokens() -> None:
     a = PageAllocator(4)
     a.allocate(2)
     h0 = commit_tokens(a, 0, [7, 8])
     h1 = commit_tokens(a, 1, [9, 10], parent=h0)
+    assert h0 == page_hash(ROOT, token_bytes([7, 8])) and h1 == page_hash(h0, token_bytes([9, 10]))
     assert a.page_hash(0) == h0 and a.page_hash(1) == h1 and a.page_hash(2) is None
     assert counts(a) == (2, 0, 2)  # committed pages in use are still used
     assert a.release(pages(1, 0)) == 2
     assert counts(a) == (0, 2, 2)
     assert a.cached_pages() == [1, 0]  # tail first: evicted first
-    assert a.lookup(h0, token_bytes([7, 8])) == 0
-    assert a.lookup(h1, token_bytes([9, 10])) == 1
+    assert a.match(ROOT, token_bytes([7, 8, 9, 10, 11, 12]), 16) == ([0, 1], h1)
+    assert find(a, [[7, 8], [9, 0]]) == [0]
+    assert find(a, [[9, 10]]) == []  # the right tokens under the wrong parent
+    assert find(a, [[7, 8]], parent=root_hash("other")) == []
     a.acquire_cached([0, 1])
     assert counts(a) == (2, 0, 2) and a.ref_count.tolist() == [1, 1, 0, 0]
     a.acquire_cached([0])  # a hit on a page in use only takes a reference
     assert a.ref_count.tolist() == [2, 1, 0, 0] and a.cached_pages() == []
 
 
-def test_lookup_compares_tokens_on_a_hash_collision() -> None:
+def test_a_digest_collision_is_no_hit_unless_the_tokens_are_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Colliding:
+        """Every SHA-256 digest the allocator computes is the same: every page hash collides."""
+
+        @staticmethod
+        def sha256(data: bytes) -> "hashlib._Hash":
+            return hashlib.sha256(b"same")
+
+    monkeypatch.setattr(allocator_module, "hashlib", Colliding)
     a = PageAllocator(4)
-    a.allocate(1)
-    h = page_hash(root_hash(""), token_bytes([1, 2]))
-    a.commit(0, h, token_bytes([3, 4]))  # a different page under the same hash
-    assert a.lookup(h, token_bytes([1, 2])) is None
-    assert a.lookup(h, token_bytes([3, 4])) == 0
-    assert a.lookup(page_hash(root_hash(""), token_bytes([3, 4])), token_bytes([3, 4])) is None
+    a.allocate(3)
+    h = commit_tokens(a, 0, [1, 2])
+    assert commit_tokens(a, 1, [3, 4], parent=h) == h  # a different page under the same hash
+    a.release(pages(1, 0))
+    assert find(a, [[1, 2], [5, 6]]) == [0]
+    assert find(a, [[1, 2], [3, 4]]) == [0, 1]
+    assert find(a, [[3, 4]]) == []
 
 
-def test_commit_keeps_the_first_page_of_a_hash_and_the_first_hash_of_a_page() -> None:
+def test_commit_keeps_the_first_page_of_some_content_and_the_first_entry_of_a_page() -> None:
     a = PageAllocator(4)
     a.allocate(2)
     h = commit_tokens(a, 0, [1, 2])
-    commit_tokens(a, 1, [1, 2])  # same content on another page: page 0 stays the one found
-    assert a.lookup(h, token_bytes([1, 2])) == 0 and a.page_hash(1) is None
-    commit_tokens(a, 0, [5, 6])  # page 0 is already hashed: its hash stays
-    assert a.page_hash(0) == h
-    assert a.lookup(page_hash(root_hash(""), token_bytes([5, 6])), token_bytes([5, 6])) is None
+    assert commit_tokens(a, 1, [1, 2]) == h  # same content on another page: page 0 stays the one found
+    assert find(a, [[1, 2]]) == [0] and a.page_hash(1) is None
+    commit_tokens(a, 0, [5, 6])  # page 0 is already committed: its entry stays
+    assert a.page_hash(0) == h and find(a, [[5, 6]]) == []
     assert a.release(pages(1, 0)) == 2
     assert counts(a) == (0, 1, 3) and a.cached_pages() == [0]
 
@@ -131,8 +150,8 @@ def test_eviction_waits_until_no_free_page_is_left_and_takes_the_least_recently_
     assert a.num_evictions == 0 and a.cached_pages() == [2, 0, 3, 1]
     assert a.allocate(1).tolist() == [2]
     assert a.num_evictions == 1 and a.cached_pages() == [0, 3, 1]
-    assert a.page_hash(2) is None and a.lookup(hs[2], token_bytes([2, 2])) is None
-    assert a.lookup(hs[0], token_bytes([0, 0])) == 0
+    assert a.page_hash(2) is None and find(a, [[2, 2]]) == []
+    assert find(a, [[0, 0]]) == [0] and a.page_hash(0) == hs[0]
     # Evicting several pages at once hands them out in an exact (deterministic) order.
     assert a.allocate(2).tolist() == [3, 0]
     assert a.num_evictions == 3 and a.cached_pages() == [1]

@@ -1,11 +1,14 @@
 """SequenceTable on tiny pools (8 pages of 4 tokens unless said): exact page ids, all-or-nothing."""
 
+import hashlib
 import re
 
 import numpy as np
 import pytest
 
+from service.core import allocator as allocator_module
 from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceExists, SequenceNotFound
+from service.core.hashing import root_hash, token_bytes
 from service.core.sequences import SequenceTable
 from tests.core.helpers import make_table, prefix_hashes, snapshot
 
@@ -43,7 +46,6 @@ def test_fresh_sequences_get_pages_zero_one_two() -> None:
     assert t.length(t.get("a")) == 9 and t.length(t.get("b")) == 3
     assert counts(t) == (4, 0, 4)
     assert t.allocator.ref_count.tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
-    assert t.tokens_stored() == 12
 
 
 def test_generated_ids_duplicates_and_unknown_ids() -> None:
@@ -325,24 +327,25 @@ def test_lru_evicts_the_least_recently_freed_first_and_a_tail_before_its_prefix(
     assert t.create("pb", [*b_tokens, 0]).cached_tokens == 0
 
 
-def test_a_hash_collision_is_caught_by_comparing_tokens() -> None:
-    hashes = prefix_hashes(P10, 4)
-    for collide_at, expected in ((0, 0), (1, 4)):
-        t = make_table()
-        a = t.allocator
-        taken = a.allocate(2)
-        for i, page in enumerate(taken.tolist()):
-            tokens = [0, 0, 0, 0] if i == collide_at else P10[4 * i : 4 * i + 4]
-            a.commit(page, hashes[i], np.asarray(tokens, dtype="<i8").tobytes())
-        a.release(taken[::-1])
-        b = t.create("b", P10)
-        assert (b.cached_tokens, t.block_table(b)) == (expected, [0][: expected // 4])
-    control = make_table()
-    taken = control.allocator.allocate(2)
-    for i, page in enumerate(taken.tolist()):
-        control.allocator.commit(page, hashes[i], np.asarray(P10[4 * i : 4 * i + 4], dtype="<i8").tobytes())
-    control.allocator.release(taken[::-1])
-    assert control.create("b", P10).cached_tokens == 8
+def test_a_hash_collision_is_caught_by_comparing_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Colliding:
+        """Every page hash the allocator computes is the same digest."""
+
+        @staticmethod
+        def sha256(data: bytes) -> "hashlib._Hash":
+            return hashlib.sha256(b"same")
+
+    monkeypatch.setattr(allocator_module, "hashlib", Colliding)
+    t = make_table()
+    a = t.allocator
+    taken = a.allocate(2)
+    # Page 0 holds the prompt's first page; page 1 other tokens under the hash its second page has.
+    h0 = a.commit([0], root_hash(""), token_bytes(P10[:4]), 32)
+    assert a.commit([1], h0, token_bytes([0, 0, 0, 0]), 32) == h0
+    a.release(taken[::-1])
+    b = t.create("b", P10)
+    assert (b.cached_tokens, t.block_table(b)) == (4, [0])
+    assert t.create("c", [*P10[:4], 0, 0, 0, 0, 1]).cached_tokens == 8
 
 
 def test_the_tenant_salt_keeps_prefixes_apart() -> None:
