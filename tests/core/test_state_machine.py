@@ -94,7 +94,7 @@ class PoolMachine(RuleBasedStateMachine):
     def new_markers(self, m: SeqModel, token_ids: list[int] | None, n: int) -> list[Any]:
         if token_ids is None:
             m.tokens = None
-        out = []
+        out: list[Any] = []
         for i in range(n):
             if m.tokens is not None and token_ids is not None:
                 m.tokens.append(token_ids[i])
@@ -260,12 +260,13 @@ class PoolMachine(RuleBasedStateMachine):
     def invalid_step(self, index: int, kind: str) -> None:
         seq_id = self.pick(index)
         tenant = self.seqs[seq_id].tenant
-        appends: list[tuple[str, int, list[int] | None]] = {
+        cases: dict[str, list[tuple[str, int, list[int] | None]]] = {
             "duplicate": [(seq_id, 1, None), (seq_id, 1, None)],
             "token_ids": [(seq_id, 2, [0])],
             "unknown": [(seq_id, 1, None), ("missing", 1, None)],
             "zero": [(seq_id, 0, None)],
-        }[kind]
+        }
+        appends = cases[kind]
         before = snapshot(self.table, TENANTS)
         try:
             self.table.step(appends, None, tenant)

@@ -250,7 +250,14 @@ def test_attend_writes_k_v_of_the_query_positions_first(api: Server) -> None:
     for layer in (0, 1):  # a prefill chunk of 3 tokens for w, 2 for u, written by attend itself
         q = randn(5, 4, 16, seed=40 + layer)
         k, v = randn(5, 2, 16, seed=50 + layer), randn(5, 2, 16, seed=60 + layer)
-        body = {"layer": layer, "seq_ids": ["w", "u"], "q": enc(q), "q_lens": [3, 2], "k": enc(k), "v": enc(v)}
+        body: dict[str, Any] = {
+            "layer": layer,
+            "seq_ids": ["w", "u"],
+            "q": enc(q),
+            "q_lens": [3, 2],
+            "k": enc(k),
+            "v": enc(v),
+        }
         r = c.post("/v1/attend", json=body)
         assert r.status_code == 200, r.text
         out = dec(r.json()["out"])
