@@ -40,7 +40,7 @@ class PoolMachine(RuleBasedStateMachine):
     num_pages = 10
     page_size = 2
     prefix_caching = True
-    quota = 7
+    quota = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -123,8 +123,25 @@ class PoolMachine(RuleBasedStateMachine):
 
     # -- rules ----------------------------------------------------------------------------------
     @precondition(lambda self: len(self.seqs) < MAX_SEQUENCES)
-    @rule(tenant=st.sampled_from(TENANTS), prompt=st.none() | token_lists)
-    def create(self, tenant: str, prompt: list[int] | None) -> None:
+    @rule(
+        tenant=st.sampled_from(TENANTS),
+        prompt=st.none() | token_lists,
+        like=st.none() | st.integers(0, 99),
+        keep=st.integers(0, 9),
+        aim_at_unwritten=st.booleans(),
+    )
+    def create(
+        self, tenant: str, prompt: list[int] | None, like: int | None, keep: int, aim_at_unwritten: bool
+    ) -> None:
+        """With `like`, the prompt starts with the known tokens of a live sequence: this aims at
+        prefix hits, and at pages whose data is not written yet (which must not be hit)."""
+        if like is not None and self.seqs:
+            waiting = sorted(s for s, m in self.seqs.items() if m.pending and m.tokens)
+            if aim_at_unwritten and waiting:
+                target = self.seqs[waiting[like % len(waiting)]]
+                tenant, prompt = target.tenant, [*(target.tokens or []), *(prompt or [0])]
+            else:
+                prompt = (self.seqs[self.pick(like)].tokens or [])[:keep] + (prompt or [])
         seq_id = self.new_id()
         seq = self.both("create", seq_id, prompt, tenant)
         if seq is None:
@@ -138,24 +155,6 @@ class PoolMachine(RuleBasedStateMachine):
         prompt = prompt or []
         markers = [("token", tenant, tuple(prompt[: p + 1])) for p in range(cached)]
         self.seqs[seq_id] = SeqModel(tenant, markers, list(prompt[:cached]))
-
-    @precondition(lambda self: self.seqs and len(self.seqs) < MAX_SEQUENCES)
-    @rule(
-        index=st.integers(0, 99),
-        keep=st.integers(0, 9),
-        extra=token_lists,
-        tenant=st.sampled_from(TENANTS),
-        aim_at_unwritten=st.booleans(),
-    )
-    def create_like(self, index: int, keep: int, extra: list[int], tenant: str, aim_at_unwritten: bool) -> None:
-        """A prompt that starts with the known tokens of a live sequence: aims at prefix hits,
-        in particular at pages whose data has not been written yet (they must not be hit)."""
-        waiting = sorted(s for s, m in self.seqs.items() if m.pending and m.tokens)
-        if aim_at_unwritten and waiting:
-            target = self.seqs[waiting[index % len(waiting)]]
-            self.create(target.tenant, [*(target.tokens or []), *(extra or [0])])
-        else:
-            self.create(tenant, (self.seqs[self.pick(index)].tokens or [])[:keep] + extra)
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99), n=st.integers(1, 5), with_ids=mostly_true, data=st.data())
@@ -202,6 +201,11 @@ class PoolMachine(RuleBasedStateMachine):
             # Every appended sequence is listed too: a writer needs the slots of what it appended.
             chosen = [s for s in map(self.pick, listed) if self.seqs[s].tenant == tenant]
             seq_ids = list(dict.fromkeys(chosen[:1] + [a[0] for a in appends] + chosen[1:]))
+        self.run_step(appends, seq_ids, tenant, write_now)
+
+    def run_step(
+        self, appends: list[tuple[str, int, list[int] | None]], seq_ids: list[str] | None, tenant: str, write_now: bool
+    ) -> None:
         rows = [a[0] for a in appends] if seq_ids is None else seq_ids
         for seq_id in {*rows, *(a[0] for a in appends)}:
             self.flush(seq_id)
@@ -238,6 +242,22 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.table.block_table(child) == self.table.block_table(self.table.get(parent_id, parent.tenant))
         tokens = None if parent.tokens is None else list(parent.tokens)
         self.seqs[child_id] = SeqModel(parent.tenant, list(parent.markers), tokens)
+
+    @precondition(lambda self: self.seqs and len(self.seqs) < MAX_SEQUENCES)
+    @rule(index=st.integers(0, 99), parent_too=st.booleans(), write_now=st.booleans())
+    def fork_then_step(self, index: int, parent_too: bool, write_now: bool) -> None:
+        """Aims at copy-on-write: a fork, then a step appending to it (and to its parent: the one
+        listed last keeps the shared partial page)."""
+        parent_id = self.pick(index)
+        before = len(self.seqs)
+        self.fork(index)
+        if len(self.seqs) == before:
+            return
+        child_id = f"s{self.next_id}"
+        appends: list[tuple[str, int, list[int] | None]] = [(child_id, 1, [1])]
+        if parent_too:
+            appends.insert(0, (parent_id, 1, [0]))
+        self.run_step(appends, None, self.seqs[parent_id].tenant, write_now)
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99))
@@ -372,15 +392,22 @@ def describe(result: Any, table: SequenceTable) -> Any:
 
 class PoolMachineWithoutPrefixCaching(PoolMachine):
     prefix_caching = False
-    quota = 0
 
 
-# About 8 s in all on this 2-core machine when idle (the prefix-caching pool has more to explore).
+class PoolMachineWithQuota(PoolMachine):
+    quota = 6  # pages per tenant, of 10: both QuotaExceeded and OutOfPages happen
+
+
+# About 10 s in all on this 2-core machine when idle (the prefix-caching pool has more to explore).
 TestPoolWithPrefixCaching = PoolMachine.TestCase
 TestPoolWithPrefixCaching.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestPoolWithoutPrefixCaching = PoolMachineWithoutPrefixCaching.TestCase
 TestPoolWithoutPrefixCaching.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestPoolWithQuota = PoolMachineWithQuota.TestCase
+TestPoolWithQuota.settings = settings(
     max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
