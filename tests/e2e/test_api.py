@@ -405,6 +405,21 @@ INVALID = {
         {"layer": 0, "seq_ids": ["e"], "q": Q1, "k": tensor([2, 2, 16]), "v": tensor([2, 2, 16])},
         "shape",
     ),
+    "duplicate seq in attend": (
+        "POST",
+        "/v1/attend",
+        {"layer": 0, "seq_ids": ["e", "e"], "q": tensor([2, 4, 16])},
+        "distinct",
+    ),
+    "q dtype int32": ("POST", "/v1/attend", {"layer": 0, "seq_ids": ["e"], "q": tensor([1, 4, 16], "int32")}, "float"),
+    "negative tensor dim": (
+        "POST",
+        "/v1/attend",
+        {"layer": 0, "seq_ids": ["e"], "q": {**Q1, "shape": [1, -4, 16]}},
+        "shape",
+    ),
+    "token id of 2**63": ("POST", "/v1/sequences", {"token_ids": [1, 2**63]}, "token_ids"),
+    "body a JSON array": ("POST", "/v1/sequences", [1, 2], ""),
     "duplicate seq in step": (
         "POST",
         "/v1/step",
