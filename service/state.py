@@ -37,12 +37,14 @@ class PoolState:
         self.storage.close()
 
 
-def get_state(request: Request) -> PoolState:
+# async, though they never await: FastAPI runs a plain `def` dependency in its thread pool, a
+# thread hop per request that cost more than the handlers themselves under load (bench http).
+async def get_state(request: Request) -> PoolState:
     state: PoolState = request.app.state.pool
     return state
 
 
-def get_tenant(request: Request) -> str:
+async def get_tenant(request: Request) -> str:
     """The tenant a request acts for ("" when API keys are off)."""
     return getattr(request.state, "tenant", "")
 
