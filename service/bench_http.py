@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
+from service.bench_http_client import make_transport
 from service.bench_http_workload import Client, Geometry, Recorder
 
 TARGET_RPS = 2000.0
@@ -114,28 +116,31 @@ class Run:
 
 async def run_clients(url: str, args: argparse.Namespace, server_pid: int | None) -> Run:
     """Drive the clients for the time (or request) budget; then each frees what it holds."""
-    # One connection per client, as one frontend process would hold; a shared pool of 32
-    # connections costs httpx a scan of all of them per request.
-    one = httpx.Limits(max_connections=1)
-    https = [httpx.AsyncClient(base_url=url, timeout=60, limits=one) for _ in range(args.clients)]
+    # One connection per client, as one frontend process would hold.
+    transports = [make_transport(args.client, url) for _ in range(args.clients)]
     try:
-        before = (await https[0].get("/v1/pool")).json()
+        status, body = await transports[0].send("GET", "/v1/pool")
+        if status != 200:
+            raise SystemExit(f"GET /v1/pool answered {status}: {body[:200]!r}")
+        before = orjson.loads(body)
         geometry = Geometry.from_pool(before, args.clients)
         recorder = Recorder()
         per_client = max(1, args.max_requests // args.clients)
         clients = [
-            Client(i, http, geometry, recorder, random.Random(args.seed * 1000 + i)) for i, http in enumerate(https)
+            Client(i, t, geometry, recorder, random.Random(args.seed * 1000 + i)) for i, t in enumerate(transports)
         ]
         server_cpu0 = process_cpu_s(server_pid) if server_pid else None
         client_cpu0, start = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(c.run(start + args.seconds, per_client) for c in clients))
+        # The raw client has no per-request timeout (it would cost a task per request): one for the run.
+        runs = asyncio.gather(*(c.run(start + args.seconds, per_client) for c in clients))
+        await asyncio.wait_for(runs, args.seconds + 300)
         elapsed, client_cpu = time.perf_counter() - start, time.process_time() - client_cpu0
         server_cpu1 = process_cpu_s(server_pid) if server_pid else None
         server_cpu = server_cpu1 - server_cpu0 if server_cpu0 is not None and server_cpu1 is not None else None
-        await asyncio.gather(*(c.free_all() for c in clients))
-        after = (await https[0].get("/v1/pool")).json()
+        await asyncio.wait_for(asyncio.gather(*(c.free_all() for c in clients)), 300)
+        after = orjson.loads((await transports[0].send("GET", "/v1/pool"))[1])
     finally:
-        await asyncio.gather(*(h.aclose() for h in https))
+        await asyncio.gather(*(t.close() for t in transports))
     return Run(recorder, elapsed, client_cpu, server_cpu, before, after)
 
 
@@ -210,7 +215,8 @@ def main(args: argparse.Namespace) -> int:
         budget = f"{args.seconds:g} s (at most {args.max_requests} requests)"
         print(f"kvpool bench http: {args.clients} clients for {budget}")
         print(f"server: {where}")
-        print(f"clients: {args.clients} asyncio tasks on {loop_name} + httpx in this process (pid {os.getpid()})")
+        kind = f"{args.client} HTTP/1.1"
+        print(f"clients: {args.clients} asyncio tasks on {loop_name}, {kind}, in this process (pid {os.getpid()})")
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"machine: {cpu_model()}, {os.cpu_count()} cores shared by server and clients, load average {load}")
         run = asyncio.run(run_clients(url, args, proc.pid if proc else None))

@@ -13,8 +13,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import numpy as np
+import orjson
+
+from service.bench_http_client import Transport, TransportError
 
 MAX_SEQS = 4  # sequences one client holds at most
 MAX_APPEND = 4  # tokens per append with K/V data
@@ -60,7 +62,7 @@ def _tensor(array: np.ndarray) -> dict[str, Any]:
 
 
 class Client:
-    def __init__(self, index: int, http: httpx.AsyncClient, geo: Geometry, rec: Recorder, rng: random.Random) -> None:
+    def __init__(self, index: int, http: Transport, geo: Geometry, rec: Recorder, rng: random.Random) -> None:
         self.index, self.http, self.geo, self.rec, self.rng = index, http, geo, rec, rng
         self.lengths: dict[str, int] = {}  # seq_id -> tokens, as the server last reported
         self.num_created = 0
@@ -83,14 +85,14 @@ class Client:
         self.num_requests += 1
         start = time.perf_counter()
         try:
-            response = await self.http.request(method, path, json=body)
-        except httpx.TransportError as exc:
+            status, payload = await self.http.send(method, path, body)
+        except TransportError as exc:
             self.rec.transport_errors += 1
-            self.rec.error_examples.append(f"{route}: {type(exc).__name__}: {exc}")
+            self.rec.error_examples.append(f"{route}: {exc}")
             return None
         ms = (time.perf_counter() - start) * 1000
-        self.rec.record(route, response.status_code, ms, timed, response.text if response.status_code >= 400 else "")
-        return response.json() if response.status_code < 300 else None
+        self.rec.record(route, status, ms, timed, payload.decode(errors="replace") if status >= 400 else "")
+        return orjson.loads(payload) if status < 300 else None
 
     def _pages_held(self, extra_tokens: dict[str, int] | None = None) -> int:
         """Pages this client's sequences may hold, counting a copy-on-write page for each."""

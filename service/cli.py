@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     http.add_argument("--max-requests", type=int, default=1_000_000, help="stop early after this many requests")
     http.add_argument("--num-pages", type=int, default=1024, help="pool size of the server this command starts")
     http.add_argument("--seed", type=int, default=0)
+    http.add_argument("--client", choices=["raw", "httpx"], default="raw", help="raw: keep-alive HTTP/1.1 on asyncio")
     http.set_defaults(func=lambda a: __import__("service.bench_http", fromlist=["main"]).main(a))
 
     args = parser.parse_args(argv)
