@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,8 +127,9 @@ async def run_clients(url: str, args: argparse.Namespace, server_pid: int | None
         geometry = Geometry.from_pool(before, args.clients)
         recorder = Recorder()
         per_client = max(1, args.max_requests // args.clients)
+        tag = uuid.uuid4().hex[:8]
         clients = [
-            Client(i, t, geometry, recorder, random.Random(args.seed * 1000 + i)) for i, t in enumerate(transports)
+            Client(i, t, geometry, recorder, random.Random(args.seed * 1000 + i), tag) for i, t in enumerate(transports)
         ]
         server_cpu0 = process_cpu_s(server_pid) if server_pid else None
         client_cpu0, start = time.process_time(), time.perf_counter()

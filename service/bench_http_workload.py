@@ -62,11 +62,14 @@ def _tensor(array: np.ndarray) -> dict[str, Any]:
 
 
 class Client:
-    def __init__(self, index: int, http: Transport, geo: Geometry, rec: Recorder, rng: random.Random) -> None:
+    def __init__(
+        self, index: int, http: Transport, geo: Geometry, rec: Recorder, rng: random.Random, tag: str = "bench"
+    ) -> None:
         self.index, self.http, self.geo, self.rec, self.rng = index, http, geo, rec, rng
         self.lengths: dict[str, int] = {}  # seq_id -> tokens, as the server last reported
         self.num_created = 0
         self.num_requests = 0
+        self.tag = tag  # a run's sequence ids never collide with those of an earlier run on the same server
         np_rng = np.random.default_rng(rng.randrange(2**32))
         g = geo
         # Pre-encoded random payloads: the client should spend its CPU on requests, not on base64.
@@ -109,7 +112,7 @@ class Client:
         if len(self.lengths) >= MAX_SEQS or not self._fits(math.ceil(len(prompt) / self.geo.page_size) + 1):
             return await self.free()
         self.num_created += 1
-        seq_id = f"c{self.index}-{self.num_created}"
+        seq_id = f"{self.tag}-c{self.index}-{self.num_created}"
         seq = await self._call("POST", "POST /v1/sequences", "/v1/sequences", {"seq_id": seq_id, "token_ids": prompt})
         if seq is None:
             return None
@@ -157,7 +160,7 @@ class Client:
         if len(self.lengths) >= MAX_SEQS or not self._fits(math.ceil(self.lengths[parent] / self.geo.page_size) + 1):
             return await self.free()
         self.num_created += 1
-        child = f"c{self.index}-{self.num_created}"
+        child = f"{self.tag}-c{self.index}-{self.num_created}"
         path = f"/v1/sequences/{parent}/fork"
         out = await self._call("POST", "POST /v1/sequences/{seq_id}/fork", path, {"seq_id": child})
         if out is not None:
