@@ -131,12 +131,17 @@ async def run_clients(url: str, args: argparse.Namespace, server_pid: int | None
         clients = [
             Client(i, t, geometry, recorder, random.Random(args.seed * 1000 + i), tag) for i, t in enumerate(transports)
         ]
-        server_cpu0 = process_cpu_s(server_pid) if server_pid else None
-        client_cpu0, start = time.process_time(), time.perf_counter()
+        start = time.perf_counter()
+        recorder.timed_from = start + args.warmup
+        deadline = recorder.timed_from + args.seconds
+        runs = asyncio.gather(*(c.run(deadline, per_client) for c in clients))
         # The raw client has no per-request timeout (it would cost a task per request): one for the run.
-        runs = asyncio.gather(*(c.run(start + args.seconds, per_client) for c in clients))
-        await asyncio.wait_for(runs, args.seconds + 300)
-        elapsed, client_cpu = time.perf_counter() - start, time.process_time() - client_cpu0
+        runs_done = asyncio.ensure_future(asyncio.wait_for(runs, args.warmup + args.seconds + 300))
+        await asyncio.sleep(args.warmup)
+        server_cpu0 = process_cpu_s(server_pid) if server_pid else None
+        client_cpu0 = time.process_time()
+        await runs_done
+        elapsed, client_cpu = time.perf_counter() - recorder.timed_from, time.process_time() - client_cpu0
         server_cpu1 = process_cpu_s(server_pid) if server_pid else None
         server_cpu = server_cpu1 - server_cpu0 if server_cpu0 is not None and server_cpu1 is not None else None
         await asyncio.wait_for(asyncio.gather(*(c.free_all() for c in clients)), 300)
@@ -214,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
         proc, url = start_server(args.num_pages)
         where = f"a separate process (`python -m service serve`, pid {proc.pid}) on {url}"
     try:
-        budget = f"{args.seconds:g} s (at most {args.max_requests} requests)"
+        budget = f"{args.seconds:g} s after {args.warmup:g} s of warm-up (at most {args.max_requests} requests)"
         print(f"kvpool bench http: {args.clients} clients for {budget}")
         print(f"server: {where}")
         kind = f"{args.client} HTTP/1.1"

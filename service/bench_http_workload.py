@@ -48,9 +48,12 @@ class Recorder:
     transport_errors: int = 0
     error_examples: list[str] = field(default_factory=list)
 
-    def record(self, route: str, status: int, ms: float, timed: bool, body: str = "") -> None:
+    # Requests sent before this perf_counter() time are warm-up: their status counts, their latency not.
+    timed_from: float = 0.0
+
+    def record(self, route: str, status: int, started: float, ms: float, timed: bool, body: str = "") -> None:
         self.statuses[status] += 1
-        if timed:
+        if timed and started >= self.timed_from:
             self.latencies_ms.setdefault(route, []).append(ms)
         if status >= 400 and len(self.error_examples) < 20:
             self.error_examples.append(f"{route} -> {status} {body[:200]}")
@@ -94,7 +97,7 @@ class Client:
             self.rec.error_examples.append(f"{route}: {exc}")
             return None
         ms = (time.perf_counter() - start) * 1000
-        self.rec.record(route, status, ms, timed, payload.decode(errors="replace") if status >= 400 else "")
+        self.rec.record(route, status, start, ms, timed, payload.decode(errors="replace") if status >= 400 else "")
         return orjson.loads(payload) if status < 300 else None
 
     def _pages_held(self, extra_tokens: dict[str, int] | None = None) -> int:

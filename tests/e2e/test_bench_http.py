@@ -24,7 +24,8 @@ FIGURES = re.compile(r"^(?P<route>\S+(?: \S+)?)\s+(?P<n>\d+)\s+(?P<p50>\d+\.\d+)
 
 @pytest.mark.slow
 def test_short_run_leaks_nothing_and_reports_figures() -> None:
-    cmd = [sys.executable, "-m", "service", "bench", "http", "--seconds", "3", "--clients", "4", "--num-pages", "128"]
+    cmd = [sys.executable, "-m", "service", "bench", "http", "--seconds", "3", "--warmup", "1", "--clients", "4"]
+    cmd += ["--num-pages", "128"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVPOOL_DEVICE": "cpu"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
