@@ -1,20 +1,24 @@
 """Attention over the pool for the last q_len positions of each sequence."""
 
+import time
+
 import torch
 from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.core.errors import InvalidRequest
+from service.metrics import MetricsDep
 from service.routes.sequences import decode_kv
+from service.routing import ORJSONRoute
 from service.schemas import AttendOut, AttendRequest, error_responses
 from service.state import StateDep, TenantDep, json_response
 from service.tensors import decode, encode
 
-router = APIRouter(prefix="/v1", tags=["attention"])
+router = APIRouter(prefix="/v1", tags=["attention"], route_class=ORJSONRoute)
 
 
 @router.post("/attend", response_model=AttendOut, responses=error_responses(404, 422))
-async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep) -> Response:
+async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep, metrics: MetricsDep) -> Response:
     """Causal paged attention (GQA) of q against each sequence, optionally writing k/v first."""
     s = pool.settings
     if body.layer >= s.num_layers:
@@ -38,6 +42,7 @@ async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep) -> Resp
     if kv is not None:
         pool.engine.write(kv[0], kv[1], torch.from_numpy(slots), layer=body.layer)
     query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0)
+    attention_started = time.perf_counter()
     out = pool.engine.attend(
         q,
         body.layer,
@@ -48,4 +53,6 @@ async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep) -> Resp
         sliding_window=body.sliding_window,
         softcap=body.softcap,
     )
+    kernel = "decode" if max(q_lens, default=1) == 1 else "prefill"
+    metrics.observe_attention(kernel, pool.engine.backend, attention_started)
     return json_response({"out": encode(out)})
