@@ -10,6 +10,7 @@ Conventions shared with the Triton kernels:
 """
 
 import math
+from typing import Any
 
 import torch
 
@@ -91,3 +92,16 @@ def paged_attention_ref(
         out[lo:hi] = o.reshape(hi - lo, num_q_heads, head_dim).to(q.dtype)
         lse[lo:hi] = lse_i.permute(2, 0, 1).reshape(hi - lo, num_q_heads)
     return (out, lse) if return_lse else out
+
+
+def paged_decode_ref(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    layer: int,
+    lookup_table: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    **options: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernel's reference: one query per sequence, q: [B, Hq, D] at position cache_lengths[b]."""
+    query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
+    return paged_attention_ref(q, blocks, layer, lookup_table, cache_lengths, query_start_loc, **options)

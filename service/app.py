@@ -12,7 +12,7 @@ from service.http_errors import install_error_handlers
 from service.leases import start_lease_sweeper, stop_lease_sweeper
 from service.limits import BodySizeLimit
 from service.metrics import Metrics, RequestMetricsMiddleware
-from service.routes import attend, pool, sequences, step
+from service.routes import attend, ipc, pool, sequences, step
 from service.routes import metrics as metrics_route
 from service.state import PoolState
 
@@ -38,7 +38,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.pool = state
     install_error_handlers(app)
-    for module in (sequences, step, attend, pool):
+    for module in (sequences, step, attend, pool, ipc):
         app.include_router(module.router)
     app.state.metrics = Metrics(state)  # a registry per app
     app.include_router(metrics_route.router)

@@ -58,8 +58,8 @@ class BearerAuth:
         await response(scope, receive, send)
 
 
-async def require_ipc_tenant(pool: StateDep, tenant: TenantDep) -> None:  # async: no thread-pool hop
-    """Dependency for GET /v1/ipc (`dependencies=[Depends(require_ipc_tenant)]`): the IPC handle maps
+async def require_ipc_tenant(pool: StateDep, tenant: TenantDep) -> None:
+    """The guard of GET /v1/ipc: the IPC handle maps
     the whole pool, every tenant's pages included, so only tenants named in KVPOOL_IPC_TENANTS get it
     (403 `forbidden` for the others; with keys on and no KVPOOL_IPC_TENANTS, nobody does).
 

@@ -2,9 +2,16 @@
 
 The core hands out slots and pages; every write into `blocks` and every attention call goes
 through here, under one lock, so requests never race on the pool.
+
+Backends: "torch" runs the references in kernels/reference.py; "triton" runs the kernels in
+kernels/ (store, decode when every sequence has one query, prefill otherwise). On the CPU the
+triton backend runs them in Triton's interpreter (slow, but the same code path as on a GPU).
 """
 
+import contextlib
+import os
 import threading
+from types import ModuleType
 
 import torch
 
@@ -21,6 +28,24 @@ class Engine:
         if self.backend == "auto":
             self.backend = "triton"
         self.lock = threading.Lock()
+        self._store: ModuleType | None = None
+        self._decode: ModuleType | None = None
+        self._prefill: ModuleType | None = None
+        if self.backend == "triton":
+            self._load_kernels()
+
+    def _load_kernels(self) -> None:
+        if self.device.type == "cpu":
+            # Triton reads TRITON_INTERPRET when @triton.jit decorates, so set it before the kernel
+            # modules are first imported: CPU tensors can only run through the interpreter.
+            os.environ["TRITON_INTERPRET"] = "1"
+        from kernels import decode, prefill, store
+
+        self._store, self._decode, self._prefill = store, decode, prefill
+
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        """Triton launches on the current CUDA device: make it the pool's (cuda:1 and up)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole pages (all layers, K and V): the copy-on-write of shared partial pages."""
@@ -34,8 +59,11 @@ class Engine:
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, layer: int | None = None) -> None:
         """k, v: [L, T, H, D] (all layers) or [T, H, D] (one layer); slots: [T]."""
         k, v, slots = (t.to(self.device, non_blocking=True) for t in (k, v, slots))
-        with self.lock:
-            store_kv_ref(self.blocks, k, v, slots, layer)
+        with self.lock, self._on_device():
+            if self._store is not None:
+                self._store.store_kv(self.blocks, k, v, slots, layer)
+            else:
+                store_kv_ref(self.blocks, k, v, slots, layer)
 
     def attend(
         self,
@@ -49,6 +77,10 @@ class Engine:
         softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D] -> [T, Hq, D] in q's dtype."""
+        if self._decode is not None and self._prefill is not None:
+            return self._attend_triton(
+                q, layer, lookup_table, cache_lengths, query_start_loc, scale, sliding_window, softcap
+            )
         dev = self.device
         q = q.to(dev)
         lut = lookup_table.to(dev)
@@ -67,3 +99,33 @@ class Engine:
             )
         assert isinstance(out, torch.Tensor)
         return out
+
+    def _attend_triton(
+        self,
+        q: torch.Tensor,
+        layer: int,
+        lookup_table: torch.Tensor,
+        cache_lengths: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float | None,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        assert self._decode is not None and self._prefill is not None
+        batch = cache_lengths.shape[0]
+        # One query per sequence (query_start_loc == 0, 1, ..., B) is a decode step.
+        is_decode = q.shape[0] == batch and bool(
+            torch.equal(query_start_loc.cpu(), torch.arange(batch + 1, dtype=query_start_loc.dtype))
+        )
+        dev = self.device
+        qd = q.to(dev, self.blocks.dtype)  # the kernels take q in the pool's dtype
+        lut, cache_lengths = lookup_table.to(dev), cache_lengths.to(dev)
+        options = {"scale": scale, "sliding_window": sliding_window, "softcap": softcap}
+        with self.lock, self._on_device():
+            if is_decode:
+                out = self._decode.paged_decode(qd, self.blocks, layer, lut, cache_lengths, **options)
+            else:
+                qsl = query_start_loc.to(dev)
+                out = self._prefill.paged_prefill(qd, self.blocks, layer, lut, cache_lengths, qsl, **options)
+        assert isinstance(out, torch.Tensor)
+        return out.to(q.dtype)

@@ -135,6 +135,7 @@ class PoolOut(BaseModel):
     num_sequences: int
     sentinel: int
     instance_id: str
+    attention_backend: str = Field(description="the backend attention runs on: triton or torch (resolved from auto)")
 
 
 class ErrorBody(BaseModel):
@@ -149,3 +150,21 @@ class ErrorOut(BaseModel):
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` entries documenting the error envelope for these statuses."""
     return {status: {"model": ErrorOut} for status in statuses}
+
+
+class IpcTensor(BaseModel):
+    dtype: str
+    shape: list[int]
+    strides: list[int] = Field(description="in elements")
+    handle: dict[str, Any] = Field(
+        description='posix_shm: {"name", "offset", "nbytes"} of /dev/shm/<name>; '
+        'cuda_ipc: a CUDA IPC memory handle of the storage, keyed by "device_uuid"'
+    )
+
+
+class IpcOut(BaseModel):
+    model_config = ConfigDict(extra="allow")  # further pool tensors (e.g. FP8 scales) sit beside blocks
+
+    kind: Literal["posix_shm", "cuda_ipc"]
+    blocks: IpcTensor
+    instance_id: str

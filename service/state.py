@@ -18,7 +18,7 @@ class PoolState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.instance_id = uuid.uuid4().hex
-        self.storage = Storage(settings)
+        self.storage = Storage(settings, self.instance_id)
         self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching)
         self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)

@@ -1,10 +1,28 @@
-"""The pool tensor: blocks[num_pages + 1, 2, num_layers, page_size, num_kv_heads, head_dim]."""
+"""The pool tensor: blocks[num_pages + 1, 2, num_layers, page_size, num_kv_heads, head_dim].
+
+Every pool tensor is shareable from the start: on the CPU it lives in a POSIX shared-memory
+segment `/dev/shm/kvpool-<instance>-<key>` that other processes map; on CUDA it is exported once as
+a CUDA IPC handle. `ipc_description()` is what `GET /v1/ipc` serves.
+"""
+
+import uuid
+import weakref
+from typing import Any
 
 import torch
 
 from service.config import Settings
+from service.cuda_ipc import check_exportable, export_cuda
+from service.shm import Segment, create_shared
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.uint8: "uint8",
+}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -24,13 +42,54 @@ def blocks_shape(settings: Settings) -> tuple[int, int, int, int, int, int]:
     return (s.num_pages + 1, 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim)
 
 
-class Storage:
-    """Owns the pool tensor. Page `num_pages` (the null page) stays zero for the process's life."""
+def allocate_shared(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Segment]:
+    """A zero-filled CPU tensor in a new POSIX shared-memory segment `name`; the caller unlinks it."""
+    return create_shared(name, shape, dtype)
 
-    def __init__(self, settings: Settings) -> None:
+
+def _unlink_all(segments: list[Segment]) -> None:
+    for segment in segments:
+        segment.unlink()
+
+
+class Storage:
+    """Owns the pool tensors. Page `num_pages` (the null page) stays zero for the process's life."""
+
+    def __init__(self, settings: Settings, instance_id: str | None = None) -> None:
         self.device = resolve_device(settings.device)
         self.dtype = DTYPES[settings.dtype]
-        self.blocks = torch.zeros(blocks_shape(settings), dtype=self.dtype, device=self.device)
+        # 16 hex digits keep segment names within macOS's 31-character limit.
+        self.name_prefix = f"kvpool-{(instance_id or uuid.uuid4().hex)[:16]}"
+        self.kind = "cuda_ipc" if self.device.type == "cuda" else "posix_shm"
+        self.segments: list[Segment] = []
+        # Unlinks on garbage collection and at interpreter exit: the backstop for close().
+        self._finalizer = weakref.finalize(self, _unlink_all, self.segments)
+        self._exports: dict[str, dict[str, Any]] = {}
+        if self.kind == "cuda_ipc":
+            check_exportable()
+        self.blocks = self.allocate("blocks", blocks_shape(settings), self.dtype)
+
+    def allocate(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled pool tensor on the device, exported under `key` in ipc_description()."""
+        if self.kind == "posix_shm":
+            tensor, segment = allocate_shared(f"{self.name_prefix}-{key}", shape, dtype)
+            self.segments.append(segment)
+            handle: dict[str, Any] = {"name": segment.name, "offset": 0, "nbytes": segment.nbytes}
+        else:
+            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+            handle = export_cuda(tensor)
+        self._exports[key] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(tensor.shape),
+            "strides": list(tensor.stride()),
+            "handle": handle,
+        }
+        return tensor
+
+    def ipc_description(self) -> dict[str, Any]:
+        """{"kind", <key>: {"dtype", "shape", "strides" (elements), "handle"}} for every pool tensor."""
+        return {"kind": self.kind, **self._exports}
 
     def close(self) -> None:
-        """Release the pool (a no-op for memory the process allocator owns)."""
+        """Unlink the shared segments (idempotent); the memory goes when the last mapping does."""
+        _unlink_all(self.segments)

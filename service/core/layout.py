@@ -17,3 +17,19 @@ def lut_columns(max_pages: int) -> int:
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
+
+
+# The pool holds one page more than it hands out: the null page, at index num_pages.
+NUM_NULL_PAGES = 1
+# Page ids (the sentinel included) stay below 2**31 - 1 (Settings.num_pages < 2**31 - 1), so a
+# kernel may read a uint32 lookup table as int32 without changing any value.
+
+
+def sentinel(num_pages: int) -> int:
+    """The null page's index, which is also the value every lookup-table row is padded with."""
+    return num_pages
+
+
+def pages_in_pool(pool_pages: int) -> int:
+    """num_pages of a pool tensor whose first dimension is `pool_pages` (the null page not counted)."""
+    return pool_pages - NUM_NULL_PAGES

@@ -29,6 +29,7 @@ async def pool_info(pool: StateDep) -> Response:
             "num_sequences": len(pool.sequences),
             "sentinel": pool.sequences.sentinel,
             "instance_id": pool.instance_id,
+            "attention_backend": pool.engine.backend,
         }
     )
 

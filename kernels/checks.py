@@ -1,0 +1,86 @@
+"""Argument checks shared by the kernel wrappers: a clear ValueError before anything launches."""
+
+import torch
+
+from service.core.layout import pages_in_pool
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_blocks(blocks: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(num_pages, num_layers, page_size, num_kv_heads, head_dim) of a pool [N + 1, 2, L, P, H, D]."""
+    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 6 or blocks.shape[1] != 2:
+        shape = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+        raise ValueError(
+            f"blocks must be [num_pages + 1, 2, num_layers, page_size, num_kv_heads, head_dim], not {shape}"
+        )
+    if blocks.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"blocks must be float32, float16 or bfloat16, not {blocks.dtype}")
+    if blocks.shape[0] < 2 or min(blocks.shape[2:]) < 1:
+        raise ValueError(f"blocks {tuple(blocks.shape)} holds no page besides the null page")
+    if blocks.stride(-1) != 1:
+        raise ValueError("blocks must be contiguous along head_dim (stride 1)")
+    _, _, num_layers, page_size, num_kv_heads, head_dim = blocks.shape
+    return pages_in_pool(blocks.shape[0]), num_layers, page_size, num_kv_heads, head_dim
+
+
+def check_layer(layer: int, num_layers: int) -> None:
+    if not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise ValueError(f"layer must be an int in [0, {num_layers}), not {layer!r}")
+
+
+def check_float(name: str, t: torch.Tensor, shape: tuple[int | None, ...], dtype: torch.dtype | None = None) -> None:
+    """t has len(shape) dims, each equal to shape[i] where that is not None; float dtype; stride 1 last."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want_text = ", ".join("*" if w is None else str(w) for w in shape)
+        raise ValueError(f"{name} must have shape [{want_text}], not {list(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} (the pool's dtype), not {t.dtype}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, not {t.dtype}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dimension (stride 1)")
+
+
+def as_index(name: str, t: torch.Tensor, dims: int, size0: int | None = None) -> torch.Tensor:
+    """An int32/int64 view of an integer index tensor; uint32 is reinterpreted as int32 (ids < 2**31)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dim() != dims or (size0 is not None and t.shape[0] != size0):
+        want = f"{size0} rows" if size0 is not None else f"{dims} dims"
+        raise ValueError(f"{name} must have {dims} dims with {want}, not shape {list(t.shape)}")
+    if t.dtype == torch.uint32:
+        t = t.view(torch.int32)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32, int64 or uint32, not {t.dtype}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dimension")
+    return t
+
+
+def check_devices(blocks: torch.Tensor, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != blocks.device:
+            raise ValueError(f"{name} is on {t.device} but blocks is on {blocks.device}")
+
+
+def dot_settings(dtype: torch.dtype, device: torch.device) -> dict[str, str | bool]:
+    """DOT_PRECISION: float32 pools get exact float32 dots (tf32 would cost ~1e-3 relative error;
+    16-bit operands ignore it). UPCAST_DOT: bf16 dots go through float32 in the interpreter (CPU)."""
+    return {
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "UPCAST_DOT": device.type == "cpu" and dtype == torch.bfloat16,
+    }
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def check_block(name: str, value: int, minimum: int = 16) -> int:
+    """Tile sizes feed tl.arange and tl.dot: powers of 2, at least 16."""
+    if not isinstance(value, int) or value < minimum or value & (value - 1):
+        raise ValueError(f"{name} must be a power of 2 >= {minimum}, not {value!r}")
+    return value

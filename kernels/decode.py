@@ -1,0 +1,279 @@
+"""Paged decode attention: one query token per sequence, GQA-packed, split-KV (flash-decoding).
+
+One program per (sequence, KV head, split) loads the GROUP query heads that share the KV head as
+the M dimension of tl.dot (padded to 16), so each K/V page is read once per KV head. Long contexts
+with few sequences are split into NUM_SPLITS segments (a fixed number per launch; empty segments
+exit at once) whose partial outputs and log-sum-exps a second kernel merges.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import (
+    as_index,
+    check_block,
+    check_blocks,
+    check_devices,
+    check_float,
+    check_layer,
+    dot_settings,
+    next_pow2,
+)
+from kernels.paged import LN2, LOG2E, NO_WINDOW, _dot, _kv_row_offsets, _softcap
+
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [B, Hq, D]
+    blocks_ptr,  # [N + 1, 2, L, P, Hkv, D]
+    lut_ptr,  # [B, cols]
+    cache_lengths_ptr,  # [B]
+    out_ptr,  # [B, Hq, D]           (NUM_SPLITS == 1)
+    lse_ptr,  # [B, Hq] fp32         (NUM_SPLITS == 1 and RETURN_LSE)
+    part_o_ptr,  # [B, Hq, S, D] fp32 (NUM_SPLITS > 1)
+    part_lse_ptr,  # [B, Hq, S] fp32, base 2
+    layer,
+    num_pages,
+    lut_cols,
+    scale,
+    softcap,
+    window,  # sliding window; NO_WINDOW without one
+    stride_q_seq,
+    stride_q_head,
+    stride_blocks_page,
+    stride_blocks_kv,
+    stride_blocks_layer,
+    stride_blocks_token,
+    stride_blocks_head,
+    stride_lut_seq,
+    stride_out_seq,
+    stride_out_head,
+    stride_lse_seq,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+
+    # The query sits at position cache_len; its own K/V are stored, so it sees cache_len + 1 tokens.
+    kv_len = tl.load(cache_lengths_ptr + seq).to(tl.int32) + 1
+    start = tl.maximum(kv_len - window, 0)
+    chunk = tl.cdiv(tl.cdiv(kv_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    part_row = (seq * num_q_heads + heads).to(tl.int64) * NUM_SPLITS + split
+    if lo >= hi:  # only with NUM_SPLITS > 1: segment 0 always holds the query's own position
+        if NUM_SPLITS > 1:  # tell the merge to ignore this segment
+            tl.store(part_lse_ptr + part_row, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_mask)
+        return
+
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lut_row_ptr = lut_ptr + seq.to(tl.int64) * stride_lut_seq
+    k_base = blocks_ptr + layer * stride_blocks_layer + kv_head * stride_blocks_head
+    v_base = k_base + stride_blocks_kv
+    for tile_lo in range(lo, hi, BLOCK_N):
+        pos = tile_lo + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        rows = _kv_row_offsets(
+            lut_row_ptr, pos, hi, lut_cols, num_pages, stride_blocks_page, stride_blocks_token, PAGE_SIZE
+        )
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale  # [BLOCK_G, BLOCK_N]
+        if USE_SOFTCAP:
+            s = _softcap(s, softcap)
+        s = tl.where(valid[None, :], s * LOG2E, float("-inf"))
+        # Every tile holds position tile_lo < hi, so m_new is finite on every row.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    lse2 = m_i + tl.log2(l_i)
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_out_seq + heads[:, None] * stride_out_head + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+        if RETURN_LSE:
+            tl.store(lse_ptr + seq.to(tl.int64) * stride_lse_seq + heads, lse2 * LN2, mask=g_mask)
+    else:
+        tl.store(part_o_ptr + part_row[:, None] * BLOCK_D + d[None, :], o, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + part_row, lse2, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr,  # [B, Hq, S, BLOCK_D] fp32
+    part_lse_ptr,  # [B, Hq, S] fp32, base 2; -inf marks an empty segment
+    out_ptr,  # [B, Hq, D]
+    lse_ptr,  # [B, Hq]
+    stride_out_seq,
+    stride_out_head,
+    stride_lse_seq,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq.to(tl.int64) * tl.num_programs(1) + head
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    lse_s = tl.load(part_lse_ptr + row * NUM_SPLITS + sp)  # [S]
+    used = lse_s > float("-inf")
+    m = tl.max(lse_s, 0)  # finite: segment 0 always holds the query's own position
+    w = tl.where(used, tl.exp2(lse_s - m), 0.0)
+    o_s = tl.load(
+        part_o_ptr + (row * NUM_SPLITS + sp)[:, None] * BLOCK_D + d[None, :], mask=used[:, None], other=0.0
+    )  # [S, BLOCK_D]
+    total = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * o_s, 0) / total
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_out_seq + head * stride_out_head + d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+    if RETURN_LSE:
+        tl.store(lse_ptr + seq.to(tl.int64) * stride_lse_seq + head, (m + tl.log2(total)) * LN2)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter gains nothing from splitting
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def pick_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Segments per sequence: enough programs for ~2 per SM when batch x heads alone cannot fill the GPU.
+
+    Depends only on shapes (never on lengths, which would need a device sync), so a launch has one
+    fixed grid for CUDA graphs; segments that a short sequence leaves empty exit at once.
+    """
+    programs, sms = batch * num_kv_heads, _sm_count(device)
+    if programs >= sms:
+        return 1
+    return min(MAX_SPLITS, next_pow2(-(-2 * sms // programs)))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    layer: int,
+    lookup_table: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """q: [B, Hq, D] at position cache_lengths[b] -> out [B, Hq, D] (q's dtype) [, lse [B, Hq] fp32].
+
+    The query's own K/V must already be stored (it attends cache_lengths[b] + 1 positions).
+    `out`/`lse` may be given to write into; `num_splits` (a power of 2 up to 32), `block_n`,
+    `num_warps` and `num_stages` override the tuned choices (kernels.bench --tune sweeps them).
+    """
+    num_pages, num_layers, page_size, num_kv_heads, head_dim = check_blocks(blocks)
+    check_layer(layer, num_layers)
+    check_float("q", q, (None, None, head_dim), blocks.dtype)
+    batch, num_q_heads = q.shape[0], q.shape[1]
+    if num_q_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"q has {num_q_heads} heads, not a positive multiple of num_kv_heads={num_kv_heads}")
+    lut = as_index("lookup_table", lookup_table, 2, batch)
+    cache_lengths = as_index("cache_lengths", cache_lengths, 1, batch)
+    check_devices(blocks, q=q, lookup_table=lut, cache_lengths=cache_lengths)
+    if out is None:
+        out = torch.empty_like(q)
+    check_float("out", out, tuple(q.shape), q.dtype)
+    if return_lse:
+        lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device) if lse is None else lse
+        if lse.shape != (batch, num_q_heads) or lse.dtype != torch.float32 or (lse.numel() and lse.stride(1) != 1):
+            raise ValueError(f"lse must be float32 [{batch}, {num_q_heads}] with stride 1 last")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, not {sliding_window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be > 0, not {softcap}")
+    splits = num_splits or pick_num_splits(batch, num_kv_heads, q.device)
+    if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
+        raise ValueError(f"num_splits must be a power of 2 in [1, {MAX_SPLITS}], not {splits}")
+    if batch == 0:
+        return (out, lse) if return_lse and lse is not None else out
+
+    group = num_q_heads // num_kv_heads
+    block_d = max(16, next_pow2(head_dim))
+    on_gpu = q.device.type == "cuda"
+    block_n = check_block("block_n", block_n or 64)
+    lse_arg = lse if lse is not None else out  # never written unless RETURN_LSE
+    if splits > 1:
+        part_o = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    sb = blocks.stride()
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, blocks, lut, cache_lengths, out, lse_arg, part_o, part_lse,
+        layer, num_pages, lut.shape[1],
+        1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        float(softcap or 1.0),
+        min(sliding_window or NO_WINDOW, NO_WINDOW),
+        q.stride(0), q.stride(1),
+        sb[0], sb[1], sb[2], sb[3], sb[4],
+        lut.stride(0),
+        out.stride(0), out.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        NUM_SPLITS=splits, USE_SOFTCAP=bool(softcap), RETURN_LSE=return_lse,
+        **dot_settings(blocks.dtype, q.device),
+        num_warps=num_warps or 4, num_stages=num_stages or (3 if on_gpu else 1),
+    )  # fmt: skip
+    if splits > 1:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            part_o, part_lse, out, lse_arg,
+            out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, RETURN_LSE=return_lse,
+            num_warps=4,
+        )  # fmt: skip
+    return (out, lse) if return_lse and lse is not None else out
