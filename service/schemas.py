@@ -77,6 +77,9 @@ class StepAppend(Strict):
 class StepRequest(Strict):
     appends: list[StepAppend] = Field(default_factory=list)
     seq_ids: list[SeqId] | None = Field(None, description="rows of the lookup table (default: the appended ones)")
+    format: Literal["max", "flashinfer", "flash_attn"] = Field(
+        "max", description="extra page tables for FlashInfer (CSR) or flash_attn (block_table); MAX fields always"
+    )
 
 
 class StepOut(BaseModel):
@@ -87,6 +90,12 @@ class StepOut(BaseModel):
     max_cache_length: int
     sentinel: int
     slots: list[list[int]]
+    format: str = "max"
+    kv_indptr: Tensor | None = Field(None, description="flashinfer: int32 [batch + 1]")
+    kv_indices: Tensor | None = Field(None, description="flashinfer: int32 [nnz pages]")
+    kv_last_page_len: Tensor | None = Field(None, description="flashinfer: int32 [batch], 0 for an empty sequence")
+    block_table: Tensor | None = Field(None, description="flash_attn: int32 [batch, max pages]")
+    cache_seqlens: Tensor | None = Field(None, description="flash_attn: int32 [batch], lengths after the step")
 
 
 class AttendRequest(Strict):
