@@ -9,6 +9,7 @@ import threading
 import torch
 
 from kernels.reference import paged_attention_ref, store_kv_ref
+from service.engine_formats import format_pages
 from service.storage import Storage
 
 
@@ -21,6 +22,8 @@ class Engine:
         if self.backend == "auto":
             self.backend = "triton"
         self.lock = threading.Lock()
+        # FP8 (blocks + scales) and MLA (latent) pools: their own store/attention paths.
+        self.formats = format_pages(storage, self.backend)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole pages (all layers, K and V): the copy-on-write of shared partial pages."""
@@ -30,9 +33,17 @@ class Engine:
         dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
         with self.lock:
             self.blocks[dst] = self.blocks[src]
+            if self.formats is not None:
+                self.formats.copy_pages(src, dst)
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, layer: int | None = None) -> None:
-        """k, v: [L, T, H, D] (all layers) or [T, H, D] (one layer); slots: [T]."""
+    def write(self, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor, layer: int | None = None) -> None:
+        """k, v: [L, T, H, D] (all layers) or [T, H, D] (one layer); slots: [T]. MLA: k only."""
+        if self.formats is not None:
+            k, slots = k.to(self.device), slots.to(self.device)
+            with self.lock:
+                self.formats.write(k, None if v is None else v.to(self.device), slots, layer)
+            return
+        assert v is not None
         k, v, slots = (t.to(self.device, non_blocking=True) for t in (k, v, slots))
         with self.lock:
             store_kv_ref(self.blocks, k, v, slots, layer)
@@ -53,6 +64,18 @@ class Engine:
         q = q.to(dev)
         lut = lookup_table.to(dev)
         cache_lengths, query_start_loc = cache_lengths.to(dev), query_start_loc.to(dev)
+        if self.formats is not None:
+            with self.lock:
+                return self.formats.attend(
+                    q,
+                    layer,
+                    lut,
+                    cache_lengths,
+                    query_start_loc,
+                    scale=scale,
+                    sliding_window=sliding_window,
+                    softcap=softcap,
+                )
         with self.lock:
             out = paged_attention_ref(
                 q,

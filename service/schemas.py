@@ -49,8 +49,8 @@ class AppendRequest(Strict):
     @model_validator(mode="after")
     def _check(self) -> "AppendRequest":
         _check_token_ids(self.num_tokens, self.token_ids)
-        if (self.k is None) != (self.v is None):
-            raise ValueError("k and v come together")
+        if self.v is not None and self.k is None:  # k alone is an MLA latent: checked against the pool
+            raise ValueError("v needs k")
         return self
 
 
@@ -111,8 +111,8 @@ class AttendRequest(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "AttendRequest":
-        if (self.k is None) != (self.v is None):
-            raise ValueError("k and v come together")
+        if self.v is not None and self.k is None:  # k alone is an MLA latent: checked against the pool
+            raise ValueError("v needs k")
         if self.q_lens is not None and len(self.q_lens) != len(self.seq_ids):
             raise ValueError("q_lens needs one entry per seq_id")
         return self
@@ -136,6 +136,10 @@ class PoolOut(BaseModel):
     num_sequences: int
     sentinel: int
     instance_id: str
+    scale_dtype: str | None = Field(None, description="FP8 pools: dtype of the per-group scales")
+    quant_granularity: int | None = Field(None, description="FP8 pools: channels per scale")
+    mla: bool = False
+    kv_lora_rank: int | None = Field(None, description="MLA pools: value channels of the latent")
 
 
 class ErrorBody(BaseModel):

@@ -4,7 +4,12 @@ import torch
 
 from service.config import Settings
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -21,7 +26,15 @@ def resolve_device(name: str) -> torch.device:
 
 def blocks_shape(settings: Settings) -> tuple[int, int, int, int, int, int]:
     s = settings
-    return (s.num_pages + 1, 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim)
+    return (s.num_pages + 1, 1 if s.mla else 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim)
+
+
+def scales_shape(settings: Settings) -> tuple[int, int, int, int, int, int] | None:
+    """FP8 pools: scales[num_pages + 1, 2, L, P, H, head_dim // g], indexed by the same pages; else None."""
+    s = settings
+    if s.dtype != "float8_e4m3fn":
+        return None
+    return (s.num_pages + 1, 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim // s.quant_granularity)
 
 
 class Storage:
@@ -31,6 +44,13 @@ class Storage:
         self.device = resolve_device(settings.device)
         self.dtype = DTYPES[settings.dtype]
         self.blocks = torch.zeros(blocks_shape(settings), dtype=self.dtype, device=self.device)
+        # TODO(lead): route the scales through the shared (shm / CUDA IPC) allocation and export them
+        # from /v1/ipc beside the blocks; zeros here (unwritten slots keep scale 0).
+        self.mla, self.kv_lora_rank = settings.mla, settings.kv_lora_rank
+        shape = scales_shape(settings)
+        self.scales = (
+            None if shape is None else torch.zeros(shape, dtype=DTYPES[settings.scale_dtype], device=self.device)
+        )
 
     def close(self) -> None:
         """Release the pool (a no-op for memory the process allocator owns)."""

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Path
 from starlette.responses import Response
 
 from service.core.errors import InvalidRequest
+from service.kv_input import decode_kv_input
 from service.schemas import (
     SEQ_ID_PATTERN,
     AppendOut,
@@ -55,9 +56,7 @@ def decode_kv(pool: PoolState, k: Tensor, v: Tensor, shape: list[int]) -> tuple[
 async def append_tokens(seq_id: SeqIdPath, body: AppendRequest, pool: StateDep, tenant: TenantDep) -> Response:
     """Append tokens: new slots for each, and with k/v their data written into every layer."""
     s = pool.settings
-    kv = None
-    if body.k is not None and body.v is not None:
-        kv = decode_kv(pool, body.k, body.v, [s.num_layers, body.num_tokens, s.num_kv_heads, s.head_dim])
+    kv = decode_kv_input(pool, body.k, body.v, [s.num_layers, body.num_tokens])
     seq, ext = pool.sequences.append(seq_id, body.num_tokens, body.token_ids, kv is not None, tenant)
     pool.engine.copy_pages(ext.copies)
     if kv is not None:
