@@ -102,3 +102,20 @@ def test_gpu_bf16_queries_realistic_shape(group: int) -> None:
         out = paged_attention_fp8(q.to(dev), *args, 1, *tables)
         expected = paged_attention_fp8_ref(q.float(), blocks, scales, 1, lut, cache_lengths, qsl)
         torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_bench_without_cuda_says_so_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    from kernels import bench_fp8
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the gpu-marked test runs the benchmark")
+    assert bench_fp8.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_bench_quick_runs_on_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from kernels import bench_fp8
+
+    assert bench_fp8.main(["--quick"]) == 0
+    assert "fp8 speed-up over bf16" in capsys.readouterr().out
