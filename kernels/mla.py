@@ -222,5 +222,6 @@ def mla_attention(
         USE_SOFTCAP=bool(softcap),
         USE_WINDOW=bool(sliding_window),
         DOT_DTYPE=tl.float32 if interpret else DOT_DTYPES[q.dtype],
+        num_warps=8 if kv_lora_rank >= 256 else 4,  # the [M, R] accumulator: 16 x 512 fp32 at R = 512
     )
     return out

@@ -80,10 +80,11 @@ def step_lengths(step: dict[str, Any]) -> tuple[list[int], list[int]]:
     return before, [b + n for b, n in zip(before, step["input_lengths"])]
 
 
-def test_flashinfer_tables_rebuild_attend(server: Server) -> None:
+def test_flashinfer_then_flash_attn_tables_rebuild_attend(server: Server) -> None:
     c, mirror = server.client, Mirror()
     torch.manual_seed(1)
     setup_sequences(c, mirror)
+
     step, q, out = decode_step(c, mirror, "flashinfer")
     assert_max_fields(step, "flashinfer")
     indptr, indices, last = (dec(step[k]) for k in ("kv_indptr", "kv_indices", "kv_last_page_len"))
@@ -98,12 +99,6 @@ def test_flashinfer_tables_rebuild_attend(server: Server) -> None:
         expected = dense_attention(q[i : i + 1], k, v)
         torch.testing.assert_close(out[i : i + 1].double(), expected, atol=1e-5, rtol=1e-5)
 
-
-def test_flash_attn_tables_rebuild_attend(server: Server) -> None:
-    c, mirror = server.client, Mirror()
-    torch.manual_seed(2)
-    setup_sequences(c, mirror)
-    decode_step(c, mirror, "max")
     step, q, out = decode_step(c, mirror, "flash_attn")
     assert_max_fields(step, "flash_attn")
     block_table, seqlens = dec(step["block_table"]), dec(step["cache_seqlens"])
@@ -120,7 +115,7 @@ def test_flash_attn_tables_rebuild_attend(server: Server) -> None:
         torch.testing.assert_close(out[i : i + 1].double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_empty_sequence_rows_and_default_format(server: Server) -> None:
+def test_empty_rows_default_format_and_refusals(server: Server) -> None:
     c, mirror = server.client, Mirror()
     torch.manual_seed(3)
     setup_sequences(c, mirror)
@@ -137,11 +132,14 @@ def test_empty_sequence_rows_and_default_format(server: Server) -> None:
     body = c.post("/v1/step", json={"seq_ids": ["s2"]}).json()
     assert body["format"] == "max" and "kv_indptr" not in body and "block_table" not in body
 
-
-def test_unknown_format_is_refused_and_changes_nothing(server: Server) -> None:
-    c = server.client
-    assert c.post("/v1/sequences", json={"seq_id": "s1"}).status_code == 201
-    r = c.post("/v1/step", json={"appends": [{"seq_id": "s1", "num_tokens": 3}], "format": "vllm"})
+    # An unknown format is refused and changes nothing.
+    r = c.post("/v1/step", json={"appends": [{"seq_id": "s3", "num_tokens": 3}], "format": "vllm"})
     assert r.status_code == 422
     assert set(r.json()["error"]) == {"code", "message"}
-    assert c.get("/v1/sequences/s1").json()["length"] == 0
+    assert c.get("/v1/sequences/s3").json()["length"] == 0
+
+    # A plain pool still takes k and v together (k alone is an MLA latent).
+    r = c.post("/v1/sequences/s3/append", json={"num_tokens": 2, "k": enc(torch.randn(L, 2, H, D))})
+    assert r.status_code == 422 and r.json()["error"]["message"] == "k and v come together"
+    pool = c.get("/v1/pool").json()
+    assert pool["dtype"] == "float32" and pool["mla"] is False and pool["scale_dtype"] is None

@@ -64,24 +64,19 @@ def test_fp8_pool_append_fork_attend(start_server: Any, backend: str) -> None:
     )
     torch.testing.assert_close(out[1:].double(), expected[2:], atol=1e-5, rtol=1e-5)
 
-
-def test_fp8_attend_writes_kv_and_refuses_non_finite(start_server: Any) -> None:
-    c = start_server(FP8).client
-    torch.manual_seed(5)
-    k, v = torch.randn(L, 4, H, D), torch.randn(L, 4, H, D)
-    c.post("/v1/sequences", json={"seq_id": "a"})
-    assert c.post("/v1/sequences/a/append", json={"num_tokens": 4, "k": enc(k), "v": enc(v)}).status_code == 200
+    # Non-finite K/V are refused before anything changes.
     bad = torch.randn(L, 1, H, D)
     bad[0, 0, 0, 3] = float("nan")
     r = c.post("/v1/sequences/a/append", json={"num_tokens": 1, "k": enc(bad), "v": enc(bad)})
     assert r.status_code == 422 and "NaN" in r.json()["error"]["message"]
-    assert c.get("/v1/sequences/a").json()["length"] == 4  # nothing changed
-    # A decode step: one token appended, its K/V written by attend (layer 1), then attended.
-    r = c.post("/v1/step", json={"appends": [{"seq_id": "a", "num_tokens": 1}]})
-    assert r.status_code == 200
-    k1, v1, q = torch.randn(1, H, D), torch.randn(1, H, D), torch.randn(1, 4, D)
-    out = attend(c, ["a"], q, [1], k=enc(k1), v=enc(v1))
-    expected = dense_attention(q, fp8_roundtrip(torch.cat([k[1], k1])), fp8_roundtrip(torch.cat([v[1], v1])))
+    assert c.get("/v1/sequences/a").json()["length"] == 6
+
+    # A decode step: one token appended by /v1/step, its K/V written by attend (layer 1), attended.
+    assert c.post("/v1/step", json={"appends": [{"seq_id": "a", "num_tokens": 1}]}).status_code == 200
+    k1, v1, q1 = torch.randn(1, H, D), torch.randn(1, H, D), torch.randn(1, 4, D)
+    out = attend(c, ["a"], q1, [1], k=enc(k1), v=enc(v1))
+    kall, vall = torch.cat([k[1], k1]), torch.cat([v[1], v1])
+    expected = dense_attention(q1, fp8_roundtrip(kall), fp8_roundtrip(vall))
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -131,12 +126,3 @@ def test_mla_pool_append_latent_attend(start_server: Any, backend: str) -> None:
     out = attend(c, ["m"], q1, [1], k=enc(new))
     expected = dense_mla(q1, torch.cat([latent[1, :, 0], new[:, 0]]), 32)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-
-
-def test_plain_pool_still_needs_k_and_v_together(server: Server) -> None:
-    c = server.client
-    c.post("/v1/sequences", json={"seq_id": "a"})
-    r = c.post("/v1/sequences/a/append", json={"num_tokens": 2, "k": enc(torch.randn(L, 2, H, D))})
-    assert r.status_code == 422 and r.json()["error"]["message"] == "k and v come together"
-    pool = server.client.get("/v1/pool").json()
-    assert pool["dtype"] == "float32" and pool["mla"] is False and pool["scale_dtype"] is None
