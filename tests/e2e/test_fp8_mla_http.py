@@ -126,3 +126,15 @@ def test_mla_pool_append_latent_attend(start_server: Any, backend: str) -> None:
     out = attend(c, ["m"], q1, [1], k=enc(new))
     expected = dense_mla(q1, torch.cat([latent[1, :, 0], new[:, 0]]), 32)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_page_nbytes_counts_scales_and_the_latent() -> None:
+    from service.config import Settings
+
+    # FP8: 2 (K, V) × 16 tokens × 2 heads × (64 one-byte values + 1 float32 scale) × 4 layers.
+    fp8 = Settings(dtype="float8_e4m3fn", quant_granularity=64, device="cpu")
+    assert fp8.page_nbytes == 2 * 16 * 2 * (64 + 4) * 4 == 17408
+    # MLA: 1 latent × 16 tokens × 1 head × 576 float32 channels × 4 layers.
+    mla = Settings(mla=True, num_kv_heads=1, head_dim=576, kv_lora_rank=512, device="cpu")
+    assert mla.page_nbytes == 16 * 576 * 4 * 4 == 147456
+    assert Settings(device="cpu").page_nbytes == 2 * 16 * 2 * 64 * 4 * 4
