@@ -6,8 +6,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service import __version__
+from service.auth import BearerAuth
 from service.config import Settings
 from service.http_errors import install_error_handlers
+from service.leases import start_lease_sweeper, stop_lease_sweeper
+from service.limits import BodySizeLimit
 from service.routes import attend, pool, sequences, step
 from service.state import PoolState
 
@@ -18,9 +21,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = start_lease_sweeper(state)
         try:
             yield
         finally:
+            await stop_lease_sweeper(sweeper)
             state.close()
 
     app = FastAPI(
@@ -33,4 +38,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for module in (sequences, step, attend, pool):
         app.include_router(module.router)
+    # The last added runs first: auth (401 before anything is read), then the body size limit.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    if settings.api_key_tenants:
+        app.add_middleware(BearerAuth, keys=settings.api_key_tenants)
     return app

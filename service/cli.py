@@ -1,12 +1,20 @@
 """`kvpool serve` and `kvpool bench ...`."""
 
 import argparse
+import socket
 import sys
 from typing import Any
 
 from pydantic import ValidationError
 
 from service.config import Settings, describe_errors
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for benchmarks and tests that start servers)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +49,10 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"kvpool: cannot start: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, workers=1, log_level=args.log_level, access_log=False)
+    from service.shutdown import serve
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, workers=1, log_level=args.log_level, access_log=False)
+    serve(config, app.state.pool, settings.shutdown_grace_s)  # SIGTERM: /readyz 503, drain, exit 0
     return 0
 
 

@@ -3,8 +3,10 @@
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.tenancy import parse_api_keys, parse_tenant_names
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -84,6 +86,52 @@ def page_nbytes(s: Settings) -> int:
         per_layer += kv * s.page_size * s.num_kv_heads * (s.head_dim // s.quant_granularity) * ITEMSIZE[s.scale_dtype]
     return s.num_layers * per_layer
 
+    # -- trust: API keys and tenants, leases, shutdown, request limits ---------------------------
+    api_keys: SecretStr = Field(
+        SecretStr(""), description="tenant:key,... (empty: no auth, every caller is the one tenant '')"
+    )
+    tenant_max_pages: int = Field(0, ge=0, description="pages one tenant may hold (block-table entries); 0: no cap")
+    ipc_tenants: str = Field("", description="comma-separated tenants that may fetch GET /v1/ipc")
+    default_ttl_s: float = Field(
+        0.0, ge=0, le=31_536_000, allow_inf_nan=False, description="lease of a new sequence in seconds; 0: none"
+    )
+    lease_sweep_interval_s: float = Field(1.0, gt=0, le=3600, allow_inf_nan=False, description="lease sweeper period")
+    max_request_bytes: int = Field(64 * 2**20, ge=1024, description="larger request bodies get 413")
+    shutdown_grace_s: float = Field(
+        0.0, ge=0, le=3600, allow_inf_nan=False, description="on SIGTERM, seconds /readyz answers 503 before draining"
+    )
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_api_keys(cls, value: SecretStr) -> SecretStr:
+        parse_api_keys(value.get_secret_value())
+        return value
+
+    @field_validator("ipc_tenants")
+    @classmethod
+    def _check_ipc_tenants(cls, value: str) -> str:
+        parse_tenant_names(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_ipc_tenants_have_keys(self) -> "Settings":
+        ipc = parse_tenant_names(self.ipc_tenants)
+        tenants = set(self.api_key_tenants.values())
+        if ipc and not tenants:
+            raise ValueError("KVPOOL_IPC_TENANTS names tenants but KVPOOL_API_KEYS is empty, so no caller has one")
+        if ipc - tenants:
+            raise ValueError(f"KVPOOL_IPC_TENANTS names {sorted(ipc - tenants)}, which have no key in KVPOOL_API_KEYS")
+        return self
+
+    @property
+    def api_key_tenants(self) -> dict[str, str]:
+        """{key: tenant}; empty when API keys are off."""
+        return parse_api_keys(self.api_keys.get_secret_value())
+
+    @property
+    def ipc_tenant_names(self) -> frozenset[str]:
+        return parse_tenant_names(self.ipc_tenants)
+
 
 def describe_errors(exc: Exception) -> str:
     """One line per invalid setting, named as the environment variable that sets it."""
@@ -93,5 +141,7 @@ def describe_errors(exc: Exception) -> str:
     lines = []
     for err in errors():
         name = "KVPOOL_" + "_".join(str(p) for p in err["loc"]).upper() if err["loc"] else "settings"
-        lines.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
+        # Never echo keys; a model-level error's input is every setting, keys included.
+        got = "" if name == "KVPOOL_API_KEYS" or not err["loc"] else f" (got {err.get('input')!r})"
+        lines.append(f"{name}: {err['msg']}{got}")
     return "\n".join(lines)

@@ -33,6 +33,9 @@ def error_response(status: int, code: str, message: str, headers: Mapping[str, s
 def _describe_validation(errors: Any) -> str:
     parts = []
     for err in errors:
+        if err.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
+            continue
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
     return "; ".join(parts) or "invalid request"

@@ -27,6 +27,14 @@ def _check_token_ids(num_tokens: int, token_ids: list[int] | None) -> None:
 class CreateSequence(Strict):
     seq_id: SeqId | None = None
     token_ids: list[TokenId] | None = None
+    ttl_s: float | None = Field(
+        None,
+        ge=0,
+        le=31_536_000,
+        allow_inf_nan=False,
+        description="lease in seconds, renewed by every call naming the sequence (a fork inherits it); "
+        "freed when it runs out. Default KVPOOL_DEFAULT_TTL_S; 0: no expiry",
+    )
 
 
 class ForkSequence(Strict):
@@ -38,6 +46,8 @@ class SequenceOut(BaseModel):
     length: int
     block_table: list[int]
     cached_tokens: int
+    ttl_s: float | None = Field(None, description="the lease (present only on leased sequences)")
+    expires_in_s: float | None = Field(None, description="seconds left on the lease at this response")
 
 
 class AppendRequest(Strict):
@@ -64,14 +74,11 @@ class FreeOut(BaseModel):
 
 
 class StepAppend(Strict):
+    # No Python validator here: it would run once per sequence of every step. The core checks
+    # that token_ids has num_tokens ids (422 invalid_request) before changing anything.
     seq_id: SeqId
     num_tokens: int = Field(ge=1, le=2**31)
     token_ids: list[TokenId] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "StepAppend":
-        _check_token_ids(self.num_tokens, self.token_ids)
-        return self
 
 
 class StepRequest(Strict):

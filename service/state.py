@@ -20,29 +20,35 @@ class PoolState:
         self.instance_id = uuid.uuid4().hex
         self.storage = Storage(settings)
         self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching)
-        self.sequences = SequenceTable(self.allocator, settings.page_size)
+        self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)
         self.ready = True
 
     def sequence_body(self, seq: Sequence) -> dict[str, Any]:
-        return {
+        body = {
             "seq_id": seq.seq_id,
             "length": self.sequences.length(seq),
             "block_table": self.sequences.block_table(seq),
             "cached_tokens": seq.cached_tokens,
         }
+        if seq.ttl_s:  # leased sequences only, so bodies without a lease keep their shape
+            body["ttl_s"] = seq.ttl_s
+            body["expires_in_s"] = self.sequences.expires_in(seq, self.sequences.clock())
+        return body
 
     def close(self) -> None:
         self.ready = False
         self.storage.close()
 
 
-def get_state(request: Request) -> PoolState:
+# Dependencies are `async def` on purpose: FastAPI runs plain `def` dependencies in a threadpool,
+# which costs two thread hops per request on the hot path.
+async def get_state(request: Request) -> PoolState:
     state: PoolState = request.app.state.pool
     return state
 
 
-def get_tenant(request: Request) -> str:
+async def get_tenant(request: Request) -> str:
     """The tenant a request acts for ("" when API keys are off)."""
     return getattr(request.state, "tenant", "")
 

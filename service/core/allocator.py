@@ -7,8 +7,15 @@ Every page is in exactly one of three states:
 Allocation takes free pages first and evicts the least recently released cached pages only when
 no free page is left. All bulk paths are numpy operations; only prefix-cache hits, commits and
 evictions touch pages one by one, each in O(1).
+
+Prefix index: a committed page's identity is the chained SHA-256 hash of its parent's hash and its
+token ids (service.core.hashing). The index is keyed by that hash's preimage, (parent hash, token
+bytes), so a lookup walks a prompt's pages with exact dict probes: a hit costs no SHA-256 at all
+(the matched entry hands over the hash the next probe needs) and can never be fooled by a digest
+collision, since the full token ids are part of the key. SHA-256 runs once per page, at commit.
 """
 
+import hashlib
 from collections import OrderedDict
 
 import numpy as np
@@ -29,9 +36,9 @@ class PageAllocator:
         # Unreferenced pages with a committed hash, oldest release first (the eviction order).
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._is_hashed = np.zeros(num_pages, dtype=np.bool_)
-        self._hash_of_page: dict[int, bytes] = {}
-        self._page_of_hash: dict[bytes, int] = {}
-        self._tokens_of_page: dict[int, bytes] = {}
+        # (parent hash, token bytes) -> (page, page hash); and per page, its key (None: unhashed).
+        self._entries: dict[tuple[bytes, bytes], tuple[int, bytes]] = {}
+        self._key_of_page: list[tuple[bytes, bytes] | None] = [None] * num_pages
         self.num_evictions = 0
 
     # -- counts -------------------------------------------------------------------------------
@@ -71,12 +78,16 @@ class PageAllocator:
         return pages
 
     def _evict(self, num: int) -> None:
-        evicted = np.empty(num, dtype=np.int64)
-        for i in range(num):
-            page, _ = self._cached.popitem(last=False)
-            self._drop_hash(page)
-            evicted[i] = page
-        self._push_free(evicted[::-1])
+        popitem, entries, key_of_page = self._cached.popitem, self._entries, self._key_of_page
+        evicted = []
+        for _ in range(num):
+            page = popitem(last=False)[0]
+            del entries[key_of_page[page]]  # type: ignore[arg-type]
+            key_of_page[page] = None
+            evicted.append(page)
+        pages = np.asarray(evicted, dtype=np.int64)
+        self._is_hashed[pages] = False
+        self._push_free(pages[::-1])
         self.num_evictions += num
 
     def _push_free(self, pages: np.ndarray) -> None:
@@ -98,51 +109,69 @@ class PageAllocator:
         """
         if len(pages) == 0:
             return 0
-        self.ref_count[pages] -= 1
-        zero = pages[self.ref_count[pages] == 0]
-        if len(zero) == 0:
-            return 0
-        hashed = self._is_hashed[zero]
-        if hashed.any():
-            for page in zero[hashed].tolist():
-                self._cached[page] = None
-            zero = zero[~hashed]
+        counts = self.ref_count[pages] - 1
+        self.ref_count[pages] = counts
+        zero = pages[counts == 0]
+        released = len(zero)
+        if self.enable_prefix_caching and released:
+            hashed = self._is_hashed[zero]
+            if hashed.any():
+                for page in zero[hashed].tolist():
+                    self._cached[page] = None
+                zero = zero[~hashed]
         if len(zero):
             self._push_free(zero)
-        return int(len(zero) + hashed.sum())
+        return released
 
     # -- prefix cache -------------------------------------------------------------------------
-    def lookup(self, page_hash: bytes, page_tokens: bytes) -> int | None:
-        """The page committed under `page_hash` whose token ids equal `page_tokens`, if any."""
-        page = self._page_of_hash.get(page_hash)
-        if page is None or self._tokens_of_page[page] != page_tokens:
-            return None
-        return page
+    def match(self, parent: bytes, data: bytes, page_nbytes: int) -> tuple[list[int], bytes]:
+        """Committed pages matching the leading full pages of `data` (token bytes), chained from
+        `parent`; stops at the first miss. Returns (pages, hash of the last matched page or parent)."""
+        entries = self._entries
+        pages = []
+        for start in range(0, len(data), page_nbytes):
+            entry = entries.get((parent, data[start : start + page_nbytes]))
+            if entry is None:
+                break
+            pages.append(entry[0])
+            parent = entry[1]
+        return pages, parent
 
     def acquire_cached(self, pages: list[int]) -> None:
-        """Take a reference to each of `pages`, all returned by lookup()."""
-        for page in pages:
-            if self.ref_count[page] == 0:
-                del self._cached[page]
-        self.ref_count[pages] += 1
+        """Take a reference to each of `pages` (distinct), all returned by match()."""
+        ids = np.asarray(pages, dtype=np.int64)
+        counts = self.ref_count[ids]
+        cached = self._cached
+        for page in ids[counts == 0].tolist():
+            del cached[page]
+        self.ref_count[ids] = counts + 1
 
-    def commit(self, page: int, page_hash: bytes, page_tokens: bytes) -> None:
-        """Register a full, written page under its hash. A hash already present keeps its page."""
-        if page_hash in self._page_of_hash or page in self._hash_of_page:
-            return
-        self._page_of_hash[page_hash] = page
-        self._hash_of_page[page] = page_hash
-        self._tokens_of_page[page] = page_tokens
-        self._is_hashed[page] = True
+    def commit(self, pages: list[int], parent: bytes, data: bytes, page_nbytes: int) -> bytes:
+        """Register full, written pages (whose token bytes are `data`) under their chained hashes.
 
-    def _drop_hash(self, page: int) -> None:
-        del self._page_of_hash[self._hash_of_page.pop(page)]
-        del self._tokens_of_page[page]
-        self._is_hashed[page] = False
+        A key already present keeps its page (another sequence committed the same content first);
+        a page already registered keeps its entry. Returns the hash of the last page.
+        """
+        entries, key_of_page, sha256 = self._entries, self._key_of_page, hashlib.sha256
+        added = []
+        for page, start in zip(pages, range(0, len(data), page_nbytes)):
+            chunk = data[start : start + page_nbytes]
+            key = (parent, chunk)
+            parent = sha256(parent + chunk).digest()  # = hashing.page_hash(parent, chunk), inlined
+            if key_of_page[page] is None:
+                entry = (page, parent)
+                if entries.setdefault(key, entry) is entry:
+                    key_of_page[page] = key
+                    added.append(page)
+        if added:
+            self._is_hashed[added] = True
+        return parent
 
     def cached_pages(self) -> list[int]:
         """Cached pages, next to be evicted first."""
         return list(self._cached)
 
     def page_hash(self, page: int) -> bytes | None:
-        return self._hash_of_page.get(page)
+        """The chained SHA-256 hash a committed page is registered under (None if unhashed)."""
+        key = self._key_of_page[page]
+        return None if key is None else self._entries[key][1]

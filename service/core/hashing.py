@@ -16,8 +16,8 @@ def root_hash(tenant: str) -> bytes:
     return hashlib.sha256(_ROOT_DOMAIN + tenant.encode()).digest()
 
 
-def token_bytes(token_ids: "list[int] | np.ndarray") -> bytes:
-    return np.asarray(token_ids, dtype="<i8").tobytes()
+def token_bytes(token_ids: list[int]) -> bytes:
+    return np.fromiter(token_ids, dtype="<i8", count=len(token_ids)).tobytes()
 
 
 def page_hash(parent: bytes, page_tokens: bytes) -> bytes:

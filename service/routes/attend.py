@@ -6,11 +6,12 @@ from starlette.responses import Response
 
 from service.core.errors import InvalidRequest
 from service.kv_input import decode_kv_input
+from service.routing import ORJSONRoute
 from service.schemas import AttendOut, AttendRequest, error_responses
 from service.state import StateDep, TenantDep, json_response
 from service.tensors import decode, encode
 
-router = APIRouter(prefix="/v1", tags=["attention"])
+router = APIRouter(prefix="/v1", tags=["attention"], route_class=ORJSONRoute)
 
 
 @router.post("/attend", response_model=AttendOut, responses=error_responses(404, 422))

@@ -6,10 +6,11 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.config import Settings
+from service.routing import ORJSONRoute
 from service.schemas import PoolOut
 from service.state import StateDep, json_response
 
-router = APIRouter(tags=["pool"])
+router = APIRouter(tags=["pool"], route_class=ORJSONRoute)
 
 
 @router.get("/v1/pool", response_model=PoolOut)

@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from service.core.errors import InvalidRequest
 from service.kv_input import decode_kv_input
+from service.routing import ORJSONRoute
 from service.schemas import (
     SEQ_ID_PATTERN,
     AppendOut,
@@ -22,7 +23,7 @@ from service.schemas import (
 from service.state import PoolState, StateDep, TenantDep, json_response
 from service.tensors import decode
 
-router = APIRouter(prefix="/v1/sequences", tags=["sequences"])
+router = APIRouter(prefix="/v1/sequences", tags=["sequences"], route_class=ORJSONRoute)
 SeqIdPath = Annotated[str, Path(pattern=SEQ_ID_PATTERN)]
 ERRORS = error_responses(404, 409, 422, 507)
 
@@ -30,7 +31,8 @@ ERRORS = error_responses(404, 409, 422, 507)
 @router.post("", status_code=201, response_model=SequenceOut, responses=ERRORS)
 async def create_sequence(body: CreateSequence, pool: StateDep, tenant: TenantDep) -> Response:
     """Allocate a sequence; with token_ids it starts on the longest cached prefix of full pages."""
-    seq = pool.sequences.create(body.seq_id, body.token_ids, tenant)
+    ttl_s = pool.settings.default_ttl_s if body.ttl_s is None else body.ttl_s
+    seq = pool.sequences.create(body.seq_id, body.token_ids, tenant, ttl_s)
     return json_response(pool.sequence_body(seq), 201)
 
 

@@ -7,11 +7,12 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.core.lut_formats import flash_attn_tables, flashinfer_tables
+from service.routing import ORJSONRoute
 from service.schemas import StepOut, StepRequest, error_responses
 from service.state import PoolState, StateDep, TenantDep, json_response
 from service.tensors import encode_array
 
-router = APIRouter(prefix="/v1", tags=["step"])
+router = APIRouter(prefix="/v1", tags=["step"], route_class=ORJSONRoute)
 
 
 @router.post("/step", response_model=StepOut, responses=error_responses(404, 422, 507))
