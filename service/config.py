@@ -54,38 +54,6 @@ class Settings(BaseSettings):
         """Bytes of one page across all layers, FP8 scales included."""
         return page_nbytes(self)
 
-
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
-
-
-def check_formats(s: Settings) -> None:
-    """FP8 and MLA settings that only make sense together with the geometry."""
-    if s.dtype == "float8_e4m3fn" and s.head_dim % s.quant_granularity:
-        raise ValueError(
-            f"KVPOOL_QUANT_GRANULARITY={s.quant_granularity} must divide KVPOOL_HEAD_DIM={s.head_dim} "
-            "when KVPOOL_DTYPE=float8_e4m3fn"
-        )
-    if s.mla:
-        if s.num_kv_heads != 1:
-            raise ValueError(
-                f"KVPOOL_MLA=true stores one latent per token: KVPOOL_NUM_KV_HEADS must be 1, not {s.num_kv_heads}"
-            )
-        if s.kv_lora_rank >= s.head_dim:
-            raise ValueError(
-                f"KVPOOL_KV_LORA_RANK={s.kv_lora_rank} must be less than KVPOOL_HEAD_DIM={s.head_dim} "
-                "(the latent is kv_lora_rank value channels plus the rope channels)"
-            )
-        if s.dtype == "float8_e4m3fn":
-            raise ValueError("KVPOOL_MLA=true with KVPOOL_DTYPE=float8_e4m3fn is not supported yet")
-
-
-def page_nbytes(s: Settings) -> int:
-    kv = 1 if s.mla else 2
-    per_layer = kv * s.page_size * s.num_kv_heads * s.head_dim * ITEMSIZE[s.dtype]
-    if s.dtype == "float8_e4m3fn":
-        per_layer += kv * s.page_size * s.num_kv_heads * (s.head_dim // s.quant_granularity) * ITEMSIZE[s.scale_dtype]
-    return s.num_layers * per_layer
-
     # -- trust: API keys and tenants, leases, shutdown, request limits ---------------------------
     api_keys: SecretStr = Field(
         SecretStr(""), description="tenant:key,... (empty: no auth, every caller is the one tenant '')"
@@ -131,6 +99,38 @@ def page_nbytes(s: Settings) -> int:
     @property
     def ipc_tenant_names(self) -> frozenset[str]:
         return parse_tenant_names(self.ipc_tenants)
+
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+def check_formats(s: Settings) -> None:
+    """FP8 and MLA settings that only make sense together with the geometry."""
+    if s.dtype == "float8_e4m3fn" and s.head_dim % s.quant_granularity:
+        raise ValueError(
+            f"KVPOOL_QUANT_GRANULARITY={s.quant_granularity} must divide KVPOOL_HEAD_DIM={s.head_dim} "
+            "when KVPOOL_DTYPE=float8_e4m3fn"
+        )
+    if s.mla:
+        if s.num_kv_heads != 1:
+            raise ValueError(
+                f"KVPOOL_MLA=true stores one latent per token: KVPOOL_NUM_KV_HEADS must be 1, not {s.num_kv_heads}"
+            )
+        if s.kv_lora_rank >= s.head_dim:
+            raise ValueError(
+                f"KVPOOL_KV_LORA_RANK={s.kv_lora_rank} must be less than KVPOOL_HEAD_DIM={s.head_dim} "
+                "(the latent is kv_lora_rank value channels plus the rope channels)"
+            )
+        if s.dtype == "float8_e4m3fn":
+            raise ValueError("KVPOOL_MLA=true with KVPOOL_DTYPE=float8_e4m3fn is not supported yet")
+
+
+def page_nbytes(s: Settings) -> int:
+    kv = 1 if s.mla else 2
+    per_layer = kv * s.page_size * s.num_kv_heads * s.head_dim * ITEMSIZE[s.dtype]
+    if s.dtype == "float8_e4m3fn":
+        per_layer += kv * s.page_size * s.num_kv_heads * (s.head_dim // s.quant_granularity) * ITEMSIZE[s.scale_dtype]
+    return s.num_layers * per_layer
 
 
 def describe_errors(exc: Exception) -> str:
