@@ -10,6 +10,7 @@ from kernels.attention_fp8 import paged_attention_fp8
 from kernels.mla import mla_attention, store_latent
 from kernels.reference_fp8 import paged_attention_fp8_ref, store_kv_fp8_ref
 from kernels.reference_mla import mla_attention_ref, store_latent_ref
+from kernels.store_fp8 import store_kv_fp8
 from service.storage import Storage
 
 
@@ -26,8 +27,6 @@ class Fp8Pages:
     def write(self, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor, layer: int | None) -> None:
         assert v is not None
         if self.backend == "triton":
-            from kernels.store_fp8 import store_kv_fp8
-
             store_kv_fp8(self.blocks, self.scales, k.contiguous(), v.contiguous(), slots, layer)
         else:
             store_kv_fp8_ref(self.blocks, self.scales, k, v, slots, layer)
