@@ -16,6 +16,7 @@ from types import ModuleType
 import torch
 
 from kernels.reference import paged_attention_ref, store_kv_ref
+from service.engine_formats import format_pages
 from service.storage import Storage
 
 
@@ -28,17 +29,19 @@ class Engine:
         if self.backend == "auto":
             self.backend = "triton"
         self.lock = threading.Lock()
+        if self.backend == "triton" and self.device.type == "cpu":
+            # Triton reads TRITON_INTERPRET when @triton.jit decorates, so set it before any kernel
+            # module is imported: CPU tensors can only run through the interpreter.
+            os.environ["TRITON_INTERPRET"] = "1"
+        # FP8 (blocks + scales) and MLA (latent) pools have their own store and attention paths.
+        self.formats = format_pages(storage, self.backend)
         self._store: ModuleType | None = None
         self._decode: ModuleType | None = None
         self._prefill: ModuleType | None = None
-        if self.backend == "triton":
+        if self.backend == "triton" and self.formats is None:
             self._load_kernels()
 
     def _load_kernels(self) -> None:
-        if self.device.type == "cpu":
-            # Triton reads TRITON_INTERPRET when @triton.jit decorates, so set it before the kernel
-            # modules are first imported: CPU tensors can only run through the interpreter.
-            os.environ["TRITON_INTERPRET"] = "1"
         from kernels import decode, prefill, store
 
         self._store, self._decode, self._prefill = store, decode, prefill
@@ -55,9 +58,17 @@ class Engine:
         dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
         with self.lock:
             self.blocks[dst] = self.blocks[src]
+            if self.formats is not None:
+                self.formats.copy_pages(src, dst)
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, layer: int | None = None) -> None:
-        """k, v: [L, T, H, D] (all layers) or [T, H, D] (one layer); slots: [T]."""
+    def write(self, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor, layer: int | None = None) -> None:
+        """k, v: [L, T, H, D] (all layers) or [T, H, D] (one layer); slots: [T]. MLA: k only."""
+        if self.formats is not None:
+            k, slots = k.to(self.device), slots.to(self.device)
+            with self.lock:
+                self.formats.write(k, None if v is None else v.to(self.device), slots, layer)
+            return
+        assert v is not None
         k, v, slots = (t.to(self.device, non_blocking=True) for t in (k, v, slots))
         with self.lock, self._on_device():
             if self._store is not None:
@@ -85,6 +96,18 @@ class Engine:
         q = q.to(dev)
         lut = lookup_table.to(dev)
         cache_lengths, query_start_loc = cache_lengths.to(dev), query_start_loc.to(dev)
+        if self.formats is not None:
+            with self.lock:
+                return self.formats.attend(
+                    q,
+                    layer,
+                    lut,
+                    cache_lengths,
+                    query_start_loc,
+                    scale=scale,
+                    sliding_window=sliding_window,
+                    softcap=softcap,
+                )
         with self.lock:
             out = paged_attention_ref(
                 q,
