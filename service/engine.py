@@ -12,6 +12,7 @@ import contextlib
 import os
 import threading
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -87,39 +88,16 @@ class Engine:
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D] -> [T, Hq, D] in q's dtype."""
-        if self._decode is not None and self._prefill is not None:
-            return self._attend_triton(
-                q, layer, lookup_table, cache_lengths, query_start_loc, scale, sliding_window, softcap
-            )
+        """q: [T, Hq, D] -> [T, Hq, D] in q's dtype ([T, Hq, kv_lora_rank] for an MLA pool)."""
         dev = self.device
-        q = q.to(dev)
-        lut = lookup_table.to(dev)
-        cache_lengths, query_start_loc = cache_lengths.to(dev), query_start_loc.to(dev)
-        if self.formats is not None:
-            with self.lock:
-                return self.formats.attend(
-                    q,
-                    layer,
-                    lut,
-                    cache_lengths,
-                    query_start_loc,
-                    scale=scale,
-                    sliding_window=sliding_window,
-                    softcap=softcap,
-                )
-        with self.lock:
-            out = paged_attention_ref(
-                q,
-                self.blocks,
-                layer,
-                lut,
-                cache_lengths,
-                query_start_loc,
-                scale=scale,
-                sliding_window=sliding_window,
-                softcap=softcap,
-            )
+        lut, cache_lengths, qsl = (t.to(dev) for t in (lookup_table, cache_lengths, query_start_loc))
+        options: dict[str, Any] = {"scale": scale, "sliding_window": sliding_window, "softcap": softcap}
+        with self.lock, self._on_device():
+            if self.formats is not None:
+                return self.formats.attend(q.to(dev), layer, lut, cache_lengths, qsl, **options)
+            if self._decode is not None and self._prefill is not None:
+                return self._attend_triton(q, layer, lut, cache_lengths, qsl, options)
+            out = paged_attention_ref(q.to(dev), self.blocks, layer, lut, cache_lengths, qsl, **options)
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -127,28 +105,22 @@ class Engine:
         self,
         q: torch.Tensor,
         layer: int,
-        lookup_table: torch.Tensor,
+        lut: torch.Tensor,
         cache_lengths: torch.Tensor,
         query_start_loc: torch.Tensor,
-        scale: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
+        options: dict[str, Any],
     ) -> torch.Tensor:
+        """The kernels: decode when every sequence has one query, prefill otherwise (on the device)."""
         assert self._decode is not None and self._prefill is not None
         batch = cache_lengths.shape[0]
         # One query per sequence (query_start_loc == 0, 1, ..., B) is a decode step.
         is_decode = q.shape[0] == batch and bool(
             torch.equal(query_start_loc.cpu(), torch.arange(batch + 1, dtype=query_start_loc.dtype))
         )
-        dev = self.device
-        qd = q.to(dev, self.blocks.dtype)  # the kernels take q in the pool's dtype
-        lut, cache_lengths = lookup_table.to(dev), cache_lengths.to(dev)
-        options = {"scale": scale, "sliding_window": sliding_window, "softcap": softcap}
-        with self.lock, self._on_device():
-            if is_decode:
-                out = self._decode.paged_decode(qd, self.blocks, layer, lut, cache_lengths, **options)
-            else:
-                qsl = query_start_loc.to(dev)
-                out = self._prefill.paged_prefill(qd, self.blocks, layer, lut, cache_lengths, qsl, **options)
+        qd = q.to(self.device, self.blocks.dtype)  # the kernels take q in the pool's dtype
+        if is_decode:
+            out = self._decode.paged_decode(qd, self.blocks, layer, lut, cache_lengths, **options)
+        else:
+            out = self._prefill.paged_prefill(qd, self.blocks, layer, lut, cache_lengths, query_start_loc, **options)
         assert isinstance(out, torch.Tensor)
         return out.to(q.dtype)
