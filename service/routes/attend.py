@@ -7,8 +7,8 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.core.errors import InvalidRequest
+from service.kv_input import decode_kv_input
 from service.metrics import MetricsDep
-from service.routes.sequences import decode_kv
 from service.routing import ORJSONRoute
 from service.schemas import AttendOut, AttendRequest, error_responses
 from service.state import StateDep, TenantDep, json_response
@@ -35,9 +35,7 @@ async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep, metrics
     if sum(q_lens) != shape[0]:
         raise InvalidRequest(f"q has {shape[0]} tokens but q_lens add up to {sum(q_lens)}")
     q = decode("q", body.q.dtype, shape, body.q.data)
-    kv = None
-    if body.k is not None and body.v is not None:
-        kv = decode_kv(pool, body.k, body.v, [shape[0], s.num_kv_heads, s.head_dim])
+    kv = decode_kv_input(pool, body.k, body.v, [shape[0]])
     lut, cache_lengths, slots = pool.sequences.attention_batch(body.seq_ids, q_lens, tenant)
     if kv is not None:
         pool.engine.write(kv[0], kv[1], torch.from_numpy(slots), layer=body.layer)

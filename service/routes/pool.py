@@ -1,8 +1,11 @@
 """The pool's geometry and occupancy, and the health probes."""
 
+from typing import Any
+
 from fastapi import APIRouter
 from starlette.responses import Response
 
+from service.config import Settings
 from service.routing import ORJSONRoute
 from service.schemas import PoolOut, error_responses
 from service.state import StateDep, json_response
@@ -30,8 +33,20 @@ async def pool_info(pool: StateDep) -> Response:
             "sentinel": pool.sequences.sentinel,
             "instance_id": pool.instance_id,
             "attention_backend": pool.engine.backend,
+            **format_fields(s),
         }
     )
+
+
+def format_fields(s: Settings) -> dict[str, Any]:
+    """FP8 and MLA settings; the ones that do not apply to this pool are null."""
+    fp8 = s.dtype == "float8_e4m3fn"
+    return {
+        "scale_dtype": s.scale_dtype if fp8 else None,
+        "quant_granularity": s.quant_granularity if fp8 else None,
+        "mla": s.mla,
+        "kv_lora_rank": s.kv_lora_rank if s.mla else None,
+    }
 
 
 @router.get("/healthz")
