@@ -12,7 +12,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,21 +25,16 @@ import orjson
 
 from service.bench_http_client import make_transport
 from service.bench_http_workload import Client, Geometry, Recorder
+from service.cli import free_port
 
 TARGET_RPS = 2000.0
 TARGET_P99_MS = 50.0
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(num_pages: int, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """`python -m service serve` on a free loopback port; returns once /readyz answers 200."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.update(extra_env or {})
