@@ -10,7 +10,8 @@ TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion of "3" or true into an integer, which the schema ("type": "integer") rejects.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Tensor(Strict):

@@ -17,7 +17,7 @@ from service.tensors import decode, encode
 router = APIRouter(prefix="/v1", tags=["attention"], route_class=ORJSONRoute)
 
 
-@router.post("/attend", response_model=AttendOut, responses=error_responses(404, 422))
+@router.post("/attend", response_model=AttendOut, responses=error_responses(401, 404, 413, 422))
 async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep, metrics: MetricsDep) -> Response:
     """Causal paged attention (GQA) of q against each sequence, optionally writing k/v first."""
     s = pool.settings

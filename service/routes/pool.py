@@ -7,13 +7,13 @@ from starlette.responses import Response
 
 from service.config import Settings
 from service.routing import ORJSONRoute
-from service.schemas import PoolOut
+from service.schemas import PoolOut, error_responses
 from service.state import StateDep, json_response
 
 router = APIRouter(tags=["pool"], route_class=ORJSONRoute)
 
 
-@router.get("/v1/pool", response_model=PoolOut)
+@router.get("/v1/pool", response_model=PoolOut, responses=error_responses(401))
 async def pool_info(pool: StateDep) -> Response:
     """Geometry, dtype, device and page occupancy (used + cached + free == num_pages)."""
     s, a = pool.settings, pool.allocator
@@ -55,7 +55,7 @@ async def healthz() -> Response:
     return json_response({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=error_responses(503))
 async def readyz(pool: StateDep) -> Response:
     """The pool is allocated and the server takes requests (503 while shutting down)."""
     if not pool.ready:

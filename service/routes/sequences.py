@@ -22,7 +22,7 @@ from service.state import StateDep, TenantDep, json_response
 
 router = APIRouter(prefix="/v1/sequences", tags=["sequences"], route_class=ORJSONRoute)
 SeqIdPath = Annotated[str, Path(pattern=SEQ_ID_PATTERN)]
-ERRORS = error_responses(404, 409, 422, 507)
+ERRORS = error_responses(401, 404, 409, 413, 422, 429, 507)
 
 
 @router.post("", status_code=201, response_model=SequenceOut, responses=ERRORS)

@@ -15,7 +15,7 @@ from service.tensors import encode_array
 router = APIRouter(prefix="/v1", tags=["step"], route_class=ORJSONRoute)
 
 
-@router.post("/step", response_model=StepOut, responses=error_responses(404, 422, 507))
+@router.post("/step", response_model=StepOut, responses=error_responses(401, 404, 413, 422, 429, 507))
 async def step(body: StepRequest, pool: StateDep, tenant: TenantDep) -> Response:
     """All appends or none, then the sentinel-filled lookup table of the listed sequences."""
     appends = [(a.seq_id, a.num_tokens, a.token_ids) for a in body.appends]
