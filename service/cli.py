@@ -1,6 +1,7 @@
 """`kvpool serve` and `kvpool bench ...`."""
 
 import argparse
+import os
 import socket
 import sys
 from typing import Any
@@ -44,6 +45,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     from service.app import create_app
 
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # Host-side torch work (the CPU attention reference, page copies) runs on the event loop:
+        # intra-op threads only spin against it; on a busy 2-core host attention cost 14x more CPU.
+        torch.set_num_threads(1)
+
     try:
         app = create_app(settings)
     except RuntimeError as exc:
@@ -71,6 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     alloc = bench_sub.add_parser("alloc", help="allocator throughput and step latency (in process and HTTP)")
     alloc.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     alloc.set_defaults(func=lambda a: __import__("service.bench_alloc", fromlist=["main"]).main(a))
+    http = bench_sub.add_parser("http", help="concurrent clients against one server: requests/s, latency, leaks")
+    http.add_argument("--url", help="target this server instead of starting one (e.g. http://127.0.0.1:8000)")
+    http.add_argument("--clients", type=int, default=32)
+    http.add_argument("--seconds", type=float, default=20.0, help="how long the clients run (after the warm-up)")
+    http.add_argument("--warmup", type=float, default=2.0, help="seconds of requests not counted in the figures")
+    http.add_argument("--max-requests", type=int, default=1_000_000, help="stop early after this many requests")
+    http.add_argument("--num-pages", type=int, default=1024, help="pool size of the server this command starts")
+    http.add_argument("--seed", type=int, default=0)
+    http.add_argument("--client", choices=["raw", "httpx"], default="raw", help="raw: keep-alive HTTP/1.1 on asyncio")
+    http.set_defaults(func=lambda a: __import__("service.bench_http", fromlist=["main"]).main(a))
 
     args = parser.parse_args(argv)
     result: int = args.func(args)

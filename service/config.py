@@ -20,12 +20,18 @@ class Settings(BaseSettings):
     head_dim: int = Field(64, ge=1, le=4096)
     page_size: int = Field(16, ge=1, le=4096, description="tokens per page")
     num_pages: int = Field(512, ge=1, lt=2**31 - 1, description="pages in the pool, the null page not counted")
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn"] = "float32"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: CUDA when present)")
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description="auto: triton on CUDA, the torch reference on the CPU"
     )
+    # FP8 pools (dtype float8_e4m3fn): one scale per token, head and group of g channels.
+    scale_dtype: Literal["float32", "bfloat16"] = "float32"
+    quant_granularity: int = Field(128, ge=1, le=4096, description="channels per FP8 scale; divides head_dim")
+    # MLA pools: one latent of head_dim channels per token; the values are its first kv_lora_rank.
+    mla: bool = False
+    kv_lora_rank: int = Field(512, ge=1, le=4096, description="MLA: value width, < head_dim")
 
     @field_validator("device")
     @classmethod
@@ -36,16 +42,17 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_pool_size(self) -> "Settings":
-        itemsize = 4 if self.dtype == "float32" else 2
-        nbytes = (self.num_pages + 1) * 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
-        if nbytes * itemsize > 2**40:
-            raise ValueError(f"the pool would take {nbytes * itemsize / 2**30:.0f} GiB, more than 1 TiB")
+        check_formats(self)
+        if (self.num_pages + 1) * self.page_nbytes > 2**40:
+            raise ValueError(
+                f"the pool would take {(self.num_pages + 1) * self.page_nbytes / 2**30:.0f} GiB, more than 1 TiB"
+            )
         return self
 
     @property
     def page_nbytes(self) -> int:
-        itemsize = 4 if self.dtype == "float32" else 2
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of one page across all layers, FP8 scales included."""
+        return page_nbytes(self)
 
     # -- trust: API keys and tenants, leases, shutdown, request limits ---------------------------
     api_keys: SecretStr = Field(
@@ -92,6 +99,38 @@ class Settings(BaseSettings):
     @property
     def ipc_tenant_names(self) -> frozenset[str]:
         return parse_tenant_names(self.ipc_tenants)
+
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+def check_formats(s: Settings) -> None:
+    """FP8 and MLA settings that only make sense together with the geometry."""
+    if s.dtype == "float8_e4m3fn" and s.head_dim % s.quant_granularity:
+        raise ValueError(
+            f"KVPOOL_QUANT_GRANULARITY={s.quant_granularity} must divide KVPOOL_HEAD_DIM={s.head_dim} "
+            "when KVPOOL_DTYPE=float8_e4m3fn"
+        )
+    if s.mla:
+        if s.num_kv_heads != 1:
+            raise ValueError(
+                f"KVPOOL_MLA=true stores one latent per token: KVPOOL_NUM_KV_HEADS must be 1, not {s.num_kv_heads}"
+            )
+        if s.kv_lora_rank >= s.head_dim:
+            raise ValueError(
+                f"KVPOOL_KV_LORA_RANK={s.kv_lora_rank} must be less than KVPOOL_HEAD_DIM={s.head_dim} "
+                "(the latent is kv_lora_rank value channels plus the rope channels)"
+            )
+        if s.dtype == "float8_e4m3fn":
+            raise ValueError("KVPOOL_MLA=true with KVPOOL_DTYPE=float8_e4m3fn is not supported yet")
+
+
+def page_nbytes(s: Settings) -> int:
+    kv = 1 if s.mla else 2
+    per_layer = kv * s.page_size * s.num_kv_heads * s.head_dim * ITEMSIZE[s.dtype]
+    if s.dtype == "float8_e4m3fn":
+        per_layer += kv * s.page_size * s.num_kv_heads * (s.head_dim // s.quant_granularity) * ITEMSIZE[s.scale_dtype]
+    return s.num_layers * per_layer
 
 
 def describe_errors(exc: Exception) -> str:

@@ -12,10 +12,12 @@ import contextlib
 import os
 import threading
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from kernels.reference import paged_attention_ref, store_kv_ref
+from service.engine_formats import format_pages
 from service.storage import Storage
 
 
@@ -28,17 +30,19 @@ class Engine:
         if self.backend == "auto":
             self.backend = "triton"
         self.lock = threading.Lock()
+        if self.backend == "triton" and self.device.type == "cpu":
+            # Triton reads TRITON_INTERPRET when @triton.jit decorates, so set it before any kernel
+            # module is imported: CPU tensors can only run through the interpreter.
+            os.environ["TRITON_INTERPRET"] = "1"
+        # FP8 (blocks + scales) and MLA (latent) pools have their own store and attention paths.
+        self.formats = format_pages(storage, self.backend)
         self._store: ModuleType | None = None
         self._decode: ModuleType | None = None
         self._prefill: ModuleType | None = None
-        if self.backend == "triton":
+        if self.backend == "triton" and self.formats is None:
             self._load_kernels()
 
     def _load_kernels(self) -> None:
-        if self.device.type == "cpu":
-            # Triton reads TRITON_INTERPRET when @triton.jit decorates, so set it before the kernel
-            # modules are first imported: CPU tensors can only run through the interpreter.
-            os.environ["TRITON_INTERPRET"] = "1"
         from kernels import decode, prefill, store
 
         self._store, self._decode, self._prefill = store, decode, prefill
@@ -55,9 +59,17 @@ class Engine:
         dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
         with self.lock:
             self.blocks[dst] = self.blocks[src]
+            if self.formats is not None:
+                self.formats.copy_pages(src, dst)
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, layer: int | None = None) -> None:
-        """k, v: [L, T, H, D] (all layers) or [T, H, D] (one layer); slots: [T]."""
+    def write(self, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor, layer: int | None = None) -> None:
+        """k, v: [L, T, H, D] (all layers) or [T, H, D] (one layer); slots: [T]. MLA: k only."""
+        if self.formats is not None:
+            k, slots = k.to(self.device), slots.to(self.device)
+            with self.lock:
+                self.formats.write(k, None if v is None else v.to(self.device), slots, layer)
+            return
+        assert v is not None
         k, v, slots = (t.to(self.device, non_blocking=True) for t in (k, v, slots))
         with self.lock, self._on_device():
             if self._store is not None:
@@ -76,27 +88,16 @@ class Engine:
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D] -> [T, Hq, D] in q's dtype."""
-        if self._decode is not None and self._prefill is not None:
-            return self._attend_triton(
-                q, layer, lookup_table, cache_lengths, query_start_loc, scale, sliding_window, softcap
-            )
+        """q: [T, Hq, D] -> [T, Hq, D] in q's dtype ([T, Hq, kv_lora_rank] for an MLA pool)."""
         dev = self.device
-        q = q.to(dev)
-        lut = lookup_table.to(dev)
-        cache_lengths, query_start_loc = cache_lengths.to(dev), query_start_loc.to(dev)
-        with self.lock:
-            out = paged_attention_ref(
-                q,
-                self.blocks,
-                layer,
-                lut,
-                cache_lengths,
-                query_start_loc,
-                scale=scale,
-                sliding_window=sliding_window,
-                softcap=softcap,
-            )
+        lut, cache_lengths, qsl = (t.to(dev) for t in (lookup_table, cache_lengths, query_start_loc))
+        options: dict[str, Any] = {"scale": scale, "sliding_window": sliding_window, "softcap": softcap}
+        with self.lock, self._on_device():
+            if self.formats is not None:
+                return self.formats.attend(q.to(dev), layer, lut, cache_lengths, qsl, **options)
+            if self._decode is not None and self._prefill is not None:
+                return self._attend_triton(q, layer, lut, cache_lengths, qsl, options)
+            out = paged_attention_ref(q.to(dev), self.blocks, layer, lut, cache_lengths, qsl, **options)
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -104,28 +105,22 @@ class Engine:
         self,
         q: torch.Tensor,
         layer: int,
-        lookup_table: torch.Tensor,
+        lut: torch.Tensor,
         cache_lengths: torch.Tensor,
         query_start_loc: torch.Tensor,
-        scale: float | None,
-        sliding_window: int | None,
-        softcap: float | None,
+        options: dict[str, Any],
     ) -> torch.Tensor:
+        """The kernels: decode when every sequence has one query, prefill otherwise (on the device)."""
         assert self._decode is not None and self._prefill is not None
         batch = cache_lengths.shape[0]
         # One query per sequence (query_start_loc == 0, 1, ..., B) is a decode step.
         is_decode = q.shape[0] == batch and bool(
             torch.equal(query_start_loc.cpu(), torch.arange(batch + 1, dtype=query_start_loc.dtype))
         )
-        dev = self.device
-        qd = q.to(dev, self.blocks.dtype)  # the kernels take q in the pool's dtype
-        lut, cache_lengths = lookup_table.to(dev), cache_lengths.to(dev)
-        options = {"scale": scale, "sliding_window": sliding_window, "softcap": softcap}
-        with self.lock, self._on_device():
-            if is_decode:
-                out = self._decode.paged_decode(qd, self.blocks, layer, lut, cache_lengths, **options)
-            else:
-                qsl = query_start_loc.to(dev)
-                out = self._prefill.paged_prefill(qd, self.blocks, layer, lut, cache_lengths, qsl, **options)
+        qd = q.to(self.device, self.blocks.dtype)  # the kernels take q in the pool's dtype
+        if is_decode:
+            out = self._decode.paged_decode(qd, self.blocks, layer, lut, cache_lengths, **options)
+        else:
+            out = self._prefill.paged_prefill(qd, self.blocks, layer, lut, cache_lengths, query_start_loc, **options)
         assert isinstance(out, torch.Tensor)
         return out.to(q.dtype)

@@ -1,5 +1,6 @@
 """The one place where errors become HTTP responses: {"error": {"code", "message"}}."""
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,8 +55,26 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    if exc.status_code == 400:
+        # FastAPI's answer to a body it cannot decode (e.g. not UTF-8): bad input like any other, so 422.
+        return error_response(422, "invalid_request", f"the request body cannot be read: {exc.detail}")
     code = HTTP_CODES.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, code, str(exc.detail), exc.headers)
+    headers = exc.headers
+    if exc.status_code == 405:
+        # Starlette names the methods of one route only; GET and DELETE /v1/sequences/{seq_id} are two.
+        allowed = _documented_methods(request)
+        if allowed:
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+    return error_response(exc.status_code, code, str(exc.detail), headers)
+
+
+def _documented_methods(request: Request) -> list[str]:
+    """The methods the OpenAPI schema documents for the request's path (RFC 9110: 405 lists them all)."""
+    methods: list[str] = []
+    for template, operations in request.app.openapi()["paths"].items():
+        if re.fullmatch(re.sub(r"\\{[^}]+\\}", "[^/]+", re.escape(template)), request.url.path):
+            methods += [m.upper() for m in operations]
+    return sorted(methods)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:

@@ -10,7 +10,8 @@ TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion of "3" or true into an integer, which the schema ("type": "integer") rejects.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Tensor(Strict):
@@ -59,8 +60,8 @@ class AppendRequest(Strict):
     @model_validator(mode="after")
     def _check(self) -> "AppendRequest":
         _check_token_ids(self.num_tokens, self.token_ids)
-        if (self.k is None) != (self.v is None):
-            raise ValueError("k and v come together")
+        if self.v is not None and self.k is None:  # k alone is an MLA latent: checked against the pool
+            raise ValueError("v needs k")
         return self
 
 
@@ -84,6 +85,9 @@ class StepAppend(Strict):
 class StepRequest(Strict):
     appends: list[StepAppend] = Field(default_factory=list)
     seq_ids: list[SeqId] | None = Field(None, description="rows of the lookup table (default: the appended ones)")
+    format: Literal["max", "flashinfer", "flash_attn"] = Field(
+        "max", description="extra page tables for FlashInfer (CSR) or flash_attn (block_table); MAX fields always"
+    )
 
 
 class StepOut(BaseModel):
@@ -94,6 +98,12 @@ class StepOut(BaseModel):
     max_cache_length: int
     sentinel: int
     slots: list[list[int]]
+    format: str = "max"
+    kv_indptr: Tensor | None = Field(None, description="flashinfer: int32 [batch + 1]")
+    kv_indices: Tensor | None = Field(None, description="flashinfer: int32 [nnz pages]")
+    kv_last_page_len: Tensor | None = Field(None, description="flashinfer: int32 [batch], 0 for an empty sequence")
+    block_table: Tensor | None = Field(None, description="flash_attn: int32 [batch, max pages]")
+    cache_seqlens: Tensor | None = Field(None, description="flash_attn: int32 [batch], lengths after the step")
 
 
 class AttendRequest(Strict):
@@ -109,8 +119,8 @@ class AttendRequest(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "AttendRequest":
-        if (self.k is None) != (self.v is None):
-            raise ValueError("k and v come together")
+        if self.v is not None and self.k is None:  # k alone is an MLA latent: checked against the pool
+            raise ValueError("v needs k")
         if self.q_lens is not None and len(self.q_lens) != len(self.seq_ids):
             raise ValueError("q_lens needs one entry per seq_id")
         return self
@@ -135,6 +145,10 @@ class PoolOut(BaseModel):
     sentinel: int
     instance_id: str
     attention_backend: str = Field(description="the backend attention runs on: triton or torch (resolved from auto)")
+    scale_dtype: str | None = Field(None, description="FP8 pools: dtype of the per-group scales")
+    quant_granularity: int | None = Field(None, description="FP8 pools: channels per scale")
+    mla: bool = False
+    kv_lora_rank: int | None = Field(None, description="MLA pools: value channels of the latent")
 
 
 class ErrorBody(BaseModel):

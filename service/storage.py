@@ -15,7 +15,12 @@ from service.config import Settings
 from service.cuda_ipc import check_exportable, export_cuda
 from service.shm import Segment, create_shared
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 DTYPE_NAMES = {
     torch.float32: "float32",
     torch.float16: "float16",
@@ -39,7 +44,15 @@ def resolve_device(name: str) -> torch.device:
 
 def blocks_shape(settings: Settings) -> tuple[int, int, int, int, int, int]:
     s = settings
-    return (s.num_pages + 1, 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim)
+    return (s.num_pages + 1, 1 if s.mla else 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim)
+
+
+def scales_shape(settings: Settings) -> tuple[int, int, int, int, int, int] | None:
+    """FP8 pools: scales[num_pages + 1, 2, L, P, H, head_dim // g], indexed by the same pages; else None."""
+    s = settings
+    if s.dtype != "float8_e4m3fn":
+        return None
+    return (s.num_pages + 1, 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim // s.quant_granularity)
 
 
 def allocate_shared(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Segment]:
@@ -68,6 +81,11 @@ class Storage:
         if self.kind == "cuda_ipc":
             check_exportable()
         self.blocks = self.allocate("blocks", blocks_shape(settings), self.dtype)
+        self.mla, self.kv_lora_rank = settings.mla, settings.kv_lora_rank
+        # FP8 pools: per-group scales, indexed by the same pages and exported beside the blocks
+        # (unwritten slots keep scale 0).
+        shape = scales_shape(settings)
+        self.scales = None if shape is None else self.allocate("scales", shape, DTYPES[settings.scale_dtype])
 
     def allocate(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled pool tensor on the device, exported under `key` in ipc_description()."""

@@ -62,6 +62,7 @@ class Server:
         while True:
             if self.proc.poll() is not None:
                 out = self.proc.stdout.read().decode() if self.proc.stdout else ""
+                self.stop()  # closes the pipe and the client
                 raise RuntimeError(f"kvpool serve exited with {self.proc.returncode}:\n{out}")
             try:
                 if self.client.get("/readyz").status_code == 200:

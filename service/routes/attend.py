@@ -7,8 +7,8 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.core.errors import InvalidRequest
+from service.kv_input import decode_kv_input
 from service.metrics import MetricsDep
-from service.routes.sequences import decode_kv
 from service.routing import ORJSONRoute
 from service.schemas import AttendOut, AttendRequest, error_responses
 from service.state import StateDep, TenantDep, json_response
@@ -17,7 +17,7 @@ from service.tensors import decode, encode
 router = APIRouter(prefix="/v1", tags=["attention"], route_class=ORJSONRoute)
 
 
-@router.post("/attend", response_model=AttendOut, responses=error_responses(404, 422))
+@router.post("/attend", response_model=AttendOut, responses=error_responses(401, 404, 413, 422))
 async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep, metrics: MetricsDep) -> Response:
     """Causal paged attention (GQA) of q against each sequence, optionally writing k/v first."""
     s = pool.settings
@@ -35,9 +35,7 @@ async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep, metrics
     if sum(q_lens) != shape[0]:
         raise InvalidRequest(f"q has {shape[0]} tokens but q_lens add up to {sum(q_lens)}")
     q = decode("q", body.q.dtype, shape, body.q.data)
-    kv = None
-    if body.k is not None and body.v is not None:
-        kv = decode_kv(pool, body.k, body.v, [shape[0], s.num_kv_heads, s.head_dim])
+    kv = decode_kv_input(pool, body.k, body.v, [shape[0]])
     lut, cache_lengths, slots = pool.sequences.attention_batch(body.seq_ids, q_lens, tenant)
     if kv is not None:
         pool.engine.write(kv[0], kv[1], torch.from_numpy(slots), layer=body.layer)

@@ -1,16 +1,19 @@
 """The pool's geometry and occupancy, and the health probes."""
 
+from typing import Any
+
 from fastapi import APIRouter
 from starlette.responses import Response
 
+from service.config import Settings
 from service.routing import ORJSONRoute
-from service.schemas import PoolOut
+from service.schemas import PoolOut, error_responses
 from service.state import StateDep, json_response
 
 router = APIRouter(tags=["pool"], route_class=ORJSONRoute)
 
 
-@router.get("/v1/pool", response_model=PoolOut)
+@router.get("/v1/pool", response_model=PoolOut, responses=error_responses(401))
 async def pool_info(pool: StateDep) -> Response:
     """Geometry, dtype, device and page occupancy (used + cached + free == num_pages)."""
     s, a = pool.settings, pool.allocator
@@ -30,8 +33,20 @@ async def pool_info(pool: StateDep) -> Response:
             "sentinel": pool.sequences.sentinel,
             "instance_id": pool.instance_id,
             "attention_backend": pool.engine.backend,
+            **format_fields(s),
         }
     )
+
+
+def format_fields(s: Settings) -> dict[str, Any]:
+    """FP8 and MLA settings; the ones that do not apply to this pool are null."""
+    fp8 = s.dtype == "float8_e4m3fn"
+    return {
+        "scale_dtype": s.scale_dtype if fp8 else None,
+        "quant_granularity": s.quant_granularity if fp8 else None,
+        "mla": s.mla,
+        "kv_lora_rank": s.kv_lora_rank if s.mla else None,
+    }
 
 
 @router.get("/healthz")
@@ -40,7 +55,7 @@ async def healthz() -> Response:
     return json_response({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=error_responses(503))
 async def readyz(pool: StateDep) -> Response:
     """The pool is allocated and the server takes requests (503 while shutting down)."""
     if not pool.ready:

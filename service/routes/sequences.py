@@ -6,7 +6,7 @@ import torch
 from fastapi import APIRouter, Path
 from starlette.responses import Response
 
-from service.core.errors import InvalidRequest
+from service.kv_input import decode_kv_input
 from service.routing import ORJSONRoute
 from service.schemas import (
     SEQ_ID_PATTERN,
@@ -16,15 +16,13 @@ from service.schemas import (
     ForkSequence,
     FreeOut,
     SequenceOut,
-    Tensor,
     error_responses,
 )
-from service.state import PoolState, StateDep, TenantDep, json_response
-from service.tensors import decode
+from service.state import StateDep, TenantDep, json_response
 
 router = APIRouter(prefix="/v1/sequences", tags=["sequences"], route_class=ORJSONRoute)
 SeqIdPath = Annotated[str, Path(pattern=SEQ_ID_PATTERN)]
-ERRORS = error_responses(404, 409, 422, 507)
+ERRORS = error_responses(401, 404, 409, 413, 422, 429, 507)
 
 
 @router.post("", status_code=201, response_model=SequenceOut, responses=ERRORS)
@@ -41,25 +39,11 @@ async def get_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep) -> 
     return json_response(pool.sequence_body(pool.sequences.get(seq_id, tenant)))
 
 
-def decode_kv(pool: PoolState, k: Tensor, v: Tensor, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode k and v and check them against `shape`."""
-    out = []
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != shape:
-            raise InvalidRequest(f"{name} must have shape {shape}, not {t.shape}")
-        if not t.dtype.startswith(("float", "bfloat")):
-            raise InvalidRequest(f"{name} must be a floating-point tensor, not {t.dtype}")
-        out.append(decode(name, t.dtype, t.shape, t.data))
-    return out[0], out[1]
-
-
 @router.post("/{seq_id}/append", response_model=AppendOut, responses=ERRORS)
 async def append_tokens(seq_id: SeqIdPath, body: AppendRequest, pool: StateDep, tenant: TenantDep) -> Response:
     """Append tokens: new slots for each, and with k/v their data written into every layer."""
     s = pool.settings
-    kv = None
-    if body.k is not None and body.v is not None:
-        kv = decode_kv(pool, body.k, body.v, [s.num_layers, body.num_tokens, s.num_kv_heads, s.head_dim])
+    kv = decode_kv_input(pool, body.k, body.v, [s.num_layers, body.num_tokens])
     seq, ext = pool.sequences.append(seq_id, body.num_tokens, body.token_ids, kv is not None, tenant)
     pool.engine.copy_pages(ext.copies)
     if kv is not None:
