@@ -138,3 +138,38 @@ def test_page_nbytes_counts_scales_and_the_latent() -> None:
     mla = Settings(mla=True, num_kv_heads=1, head_dim=576, kv_lora_rank=512, device="cpu")
     assert mla.page_nbytes == 16 * 576 * 4 * 4 == 147456
     assert Settings(device="cpu").page_nbytes == 2 * 16 * 2 * 64 * 4 * 4
+
+
+def _map(desc: dict[str, Any]) -> torch.Tensor:
+    """A read-only copy of an exported posix_shm tensor, read with the standard library alone."""
+    import numpy as np
+
+    handle = desc["handle"]
+    with open(f"/dev/shm/{handle['name']}", "rb") as f:
+        f.seek(handle["offset"])
+        raw = f.read(handle["nbytes"])
+    if desc["dtype"] == "float8_e4m3fn":
+        return torch.from_numpy(np.frombuffer(raw, np.uint8).copy()).view(torch.float8_e4m3fn).view(desc["shape"])
+    return torch.from_numpy(np.frombuffer(raw, np.float32).copy()).view(desc["shape"])
+
+
+def test_fp8_ipc_exports_values_and_scales(start_server: Any) -> None:
+    """GET /v1/ipc hands out `scales` beside `blocks`; both hold exactly what the store wrote."""
+    c = start_server(FP8).client
+    ipc = c.get("/v1/ipc").json()
+    assert ipc["blocks"]["dtype"] == "float8_e4m3fn" and ipc["scales"]["dtype"] == "float32"
+    assert ipc["scales"]["shape"] == [17, 2, L, 4, H, D // 8]
+    torch.manual_seed(7)
+    k, v = torch.randn(L, 5, H, D) * 2, torch.randn(L, 5, H, D)
+    assert c.post("/v1/sequences", json={"seq_id": "s"}).status_code == 201
+    r = c.post("/v1/sequences/s/append", json={"num_tokens": 5, "k": enc(k), "v": enc(v)})
+    assert r.json()["slots"] == [0, 1, 2, 3, 4]
+    blocks, scales = _map(ipc["blocks"]), _map(ipc["scales"])
+    for kv_index, x in ((0, k), (1, v)):
+        values, expected_scales = quantize_fp8(x, 8)  # [L, 5, H, D], [L, 5, H, D // 8]
+        got = torch.cat([blocks[0, kv_index], blocks[1, kv_index, :, :1]], dim=1)  # [L, 5, H, D]
+        got_scales = torch.cat([scales[0, kv_index], scales[1, kv_index, :, :1]], dim=1)
+        assert torch.equal(got.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(got_scales, expected_scales)
+    assert not scales[1, :, :, 1:].any() and not scales[2:].any()  # unwritten slots and the null page
+    assert not blocks[2:].view(torch.uint8).any()
