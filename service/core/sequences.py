@@ -260,7 +260,8 @@ class SequenceTable(BlockTables):
                 offs = ext.offsets
                 slots = [flat[offs[i] : offs[i + 1]] for i in range(len(ids))]
         else:
-            self._commit_pending(listed, self.lengths[listed])
+            # Pages written before this step only: the data of the pages appended now comes after it.
+            self._commit_pending(listed, before)
             index = {seq_id: i for i, seq_id in enumerate(ids)}
             input_lengths, slots = [], []
             for seq_id in seq_ids:

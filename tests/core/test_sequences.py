@@ -1,0 +1,475 @@
+"""SequenceTable on tiny pools (8 pages of 4 tokens unless said): exact page ids, all-or-nothing."""
+
+import hashlib
+import re
+
+import numpy as np
+import pytest
+
+from service.core import allocator as allocator_module
+from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceExists, SequenceNotFound
+from service.core.hashing import root_hash, token_bytes
+from service.core.sequences import SequenceTable
+from tests.core.helpers import make_table, prefix_hashes, snapshot
+
+P10 = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]  # two full pages of 4 and a partial one
+
+
+def fill(t: SequenceTable, seq_id: str, n: int, tokens: list[int] | None = None, data: bool = True) -> list[int]:
+    """Create `seq_id` if needed, append n tokens; returns the new slots."""
+    try:
+        t.get(seq_id)
+    except SequenceNotFound:
+        t.create(seq_id)
+    _, ext = t.append(seq_id, n, tokens, data_written=data)
+    return ext.slots.tolist()
+
+
+def table_of(t: SequenceTable, seq_id: str, tenant: str = "") -> list[int]:
+    return t.block_table(t.get(seq_id, tenant))
+
+
+def counts(t: SequenceTable) -> tuple[int, int, int]:
+    a = t.allocator
+    return a.num_used, a.num_cached, a.num_free
+
+
+# -- allocation order and ids --------------------------------------------------------------------
+def test_fresh_sequences_get_pages_zero_one_two() -> None:
+    t = make_table()
+    seq = t.create("a")
+    assert (seq.seq_id, t.length(seq), t.block_table(seq), seq.cached_tokens) == ("a", 0, [], 0)
+    assert fill(t, "a", 6) == [0, 1, 2, 3, 4, 5]
+    assert fill(t, "b", 3) == [8, 9, 10]
+    assert fill(t, "a", 3) == [6, 7, 12]
+    assert table_of(t, "a") == [0, 1, 3] and table_of(t, "b") == [2]
+    assert t.length(t.get("a")) == 9 and t.length(t.get("b")) == 3
+    assert counts(t) == (4, 0, 4)
+    assert t.allocator.ref_count.tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+
+
+def test_generated_ids_duplicates_and_unknown_ids() -> None:
+    t = make_table()
+    x, y = t.create(), t.create()
+    assert re.fullmatch(r"[0-9a-f]{32}", x.seq_id) and x.seq_id != y.seq_id
+    z = t.fork(x.seq_id)
+    assert re.fullmatch(r"[0-9a-f]{32}", z.seq_id) and len(t) == 3
+    t.create("s")
+    before = snapshot(t)
+    with pytest.raises(SequenceExists):
+        t.create("s", [1, 2, 3, 4, 5])
+    with pytest.raises(SequenceExists):
+        t.fork(x.seq_id, "s")
+    for call in (
+        lambda: t.get("nope"),
+        lambda: t.append("nope", 1),
+        lambda: t.free("nope"),
+        lambda: t.fork("nope"),
+        lambda: t.step([("nope", 1, None)]),
+        lambda: t.step([], ["s", "nope"]),
+        lambda: t.attention_batch(["nope"], [1]),
+    ):
+        with pytest.raises(SequenceNotFound):
+            call()
+    assert snapshot(t) == before
+    # Sequence ids are per tenant.
+    t.create("s", tenant="other")
+    with pytest.raises(SequenceNotFound):
+        t.get("s", "third")
+
+
+# -- out of pages: nothing changes ----------------------------------------------------------------
+def test_out_of_pages_on_append_changes_nothing() -> None:
+    t = make_table()
+    fill(t, "a", 20)
+    fill(t, "b", 12, list(range(12)), data=False)  # pages of b wait for their data: not hashed yet
+    assert counts(t) == (8, 0, 0)
+    before = snapshot(t)
+    with pytest.raises(OutOfPages) as err:
+        t.append("b", 1, [99])
+    assert (err.value.needed, err.value.available) == (1, 0)
+    assert snapshot(t) == before
+    assert t.allocator.page_hash(5) is None  # the failed append committed nothing
+    assert t.stats.allocation_failures == 1
+    with pytest.raises(OutOfPages):
+        t.append("a", 5, data_written=True)
+    assert snapshot(t) == before
+
+
+def test_create_with_prefix_reuses_cached_pages_when_none_is_free_then_runs_out_cleanly() -> None:
+    t = make_table()
+    fill(t, "a", 9, P10[:9])
+    assert t.free("a") == 3
+    assert t.allocator.cached_pages() == [1, 0] and counts(t) == (0, 2, 6)
+    assert fill(t, "c", 24)[::4] == [8, 12, 16, 20, 24, 28]  # pages 2..7: every free page
+    assert table_of(t, "c") == [2, 3, 4, 5, 6, 7] and counts(t) == (6, 2, 0)
+    b = t.create("b", P10[:9])
+    assert (b.cached_tokens, t.length(b), t.block_table(b)) == (8, 8, [0, 1])
+    assert counts(t) == (8, 0, 0)
+    before = snapshot(t)
+    with pytest.raises(OutOfPages):
+        t.append("b", 1, [32])
+    with pytest.raises(OutOfPages):
+        t.step([("b", 1, [32])])
+    assert snapshot(t) == before
+
+
+def test_out_of_pages_in_a_step_where_one_sequence_fails_changes_nothing() -> None:
+    t = make_table()
+    fill(t, "a", 7)  # [0, 1]: one more token fits in page 1
+    fill(t, "b", 4)  # [2]: full, the next token needs a page
+    fill(t, "c", 16)  # [3, 4, 5, 6]
+    assert counts(t) == (7, 0, 1)
+    before = snapshot(t)
+    with pytest.raises(OutOfPages) as err:
+        t.step([("a", 1, None), ("b", 1, None), ("c", 1, None)], ["a", "b", "c"])
+    assert (err.value.needed, err.value.available) == (2, 1)
+    assert snapshot(t) == before
+    result = t.step([("a", 1, None), ("b", 1, None)])
+    assert result.slots == [[7], [28]]
+    assert table_of(t, "a") == [0, 1] and table_of(t, "b") == [2, 7]
+
+
+def test_out_of_pages_for_the_copy_on_write_of_a_fork_changes_nothing() -> None:
+    t = make_table()
+    fill(t, "a", 6)  # [0, 1], page 1 half full
+    fill(t, "filler", 24)  # [2..7]
+    c = t.fork("a", "c")  # a fork takes no page: it succeeds on a full pool
+    assert t.block_table(c) == [0, 1] and t.length(c) == 6
+    assert t.allocator.ref_count.tolist()[:2] == [2, 2]
+    before = snapshot(t)
+    with pytest.raises(OutOfPages):
+        t.append("c", 1)  # needs a copy of page 1
+    with pytest.raises(OutOfPages):
+        t.step([("a", 1, None), ("c", 1, None)])
+    assert snapshot(t) == before
+    t.free("filler")
+    _, ext = t.append("c", 1)
+    assert ext.copies == [(1, 7)] and table_of(t, "c") == [0, 7]  # the filler's tail came back first
+
+
+# -- fork and copy-on-write -----------------------------------------------------------------------
+def test_fork_shares_pages_and_copy_on_write_keeps_parent_and_child_apart() -> None:
+    t = make_table()
+    fill(t, "a", 6, [1, 2, 3, 4, 5, 6])
+    c = t.fork("a", "c")
+    assert (t.length(c), t.block_table(c), c.cached_tokens) == (6, [0, 1], 0)
+    assert t.allocator.ref_count.tolist()[:3] == [2, 2, 0]
+    assert t.tenant_pages("") == 4 and counts(t) == (2, 0, 6)
+    _, ext = t.append("c", 1, [7])
+    assert ext.copies == [(1, 2)] and ext.slots.tolist() == [10]
+    assert table_of(t, "c") == [0, 2] and table_of(t, "a") == [0, 1]
+    assert t.allocator.ref_count.tolist()[:3] == [2, 1, 1]
+    _, ext = t.append("a", 3, [8, 9, 10])  # page 1 is a's alone now: no copy
+    assert ext.copies == [] and ext.slots.tolist() == [6, 7, 12]
+    _, ext = t.append("c", 2, [7, 8])
+    assert ext.copies == [] and ext.slots.tolist() == [11, 16]
+    assert table_of(t, "a") == [0, 1, 3] and table_of(t, "c") == [0, 2, 4]
+    assert t.allocator.ref_count.tolist() == [2, 1, 1, 1, 1, 0, 0, 0]
+    assert t.free("a") == 2 and t.free("c") == 3
+    assert t.allocator.cached_pages() == [1, 2, 0]  # the full pages of both, tails first
+    assert counts(t) == (0, 3, 5)
+
+
+def test_when_every_holder_of_a_shared_partial_page_appends_in_one_step_the_last_keeps_it() -> None:
+    t = make_table()
+    fill(t, "a", 6)
+    t.fork("a", "c")
+    result = t.step([("a", 1, None), ("c", 1, None)])
+    assert result.copies == [(1, 2)]
+    assert table_of(t, "a") == [0, 2] and table_of(t, "c") == [0, 1]
+    assert result.slots == [[10], [6]]
+    assert t.allocator.ref_count.tolist()[:3] == [2, 1, 1]
+
+
+def test_three_holders_two_appending_both_copy_and_the_third_keeps_the_page() -> None:
+    t = make_table()
+    fill(t, "a", 6)
+    t.fork("a", "c")
+    t.fork("a", "d")
+    result = t.step([("c", 1, None), ("d", 1, None)])
+    assert result.copies == [(1, 2), (1, 3)]
+    assert [table_of(t, s) for s in "acd"] == [[0, 1], [0, 2], [0, 3]]
+    assert t.allocator.ref_count.tolist()[:4] == [3, 1, 1, 1]
+    t.fork("a", "e")
+    result = t.step([("a", 2, None), ("e", 1, None)])  # both holders of page 1: e keeps it
+    assert result.copies == [(1, 4)] and table_of(t, "a") == [0, 4] and table_of(t, "e") == [0, 1]
+
+
+def test_fork_of_a_full_last_page_copies_nothing() -> None:
+    t = make_table()
+    fill(t, "a", 8)
+    t.fork("a", "c")
+    _, ext = t.append("c", 1)
+    assert ext.copies == [] and table_of(t, "c") == [0, 1, 2]
+    assert t.free("a") == 0 and t.free("c") == 3
+
+
+# -- prefix cache -----------------------------------------------------------------------------------
+def test_prefix_hit_after_a_free_reuses_the_full_pages() -> None:
+    t = make_table()
+    a = t.create("a", P10)
+    assert (a.cached_tokens, t.length(a)) == (0, 0)
+    assert fill(t, "a", 10, P10) == list(range(10))
+    assert [t.allocator.page_hash(p) for p in range(3)] == [*prefix_hashes(P10, 4), None]
+    assert t.free("a") == 3
+    assert t.allocator.cached_pages() == [1, 0] and counts(t) == (0, 2, 6)
+    b = t.create("b", P10)
+    assert (b.cached_tokens, t.length(b), t.block_table(b)) == (8, 8, [0, 1])
+    assert counts(t) == (2, 0, 6) and t.allocator.ref_count.tolist()[:2] == [1, 1]
+    assert t.stats.prefix_query_tokens == 20 and t.stats.prefix_hit_tokens == 8
+    assert fill(t, "b", 2, P10[8:]) == [8, 9]
+    assert table_of(t, "b") == [0, 1, 2]
+
+
+def test_a_hit_never_covers_the_last_prompt_token() -> None:
+    t = make_table()
+    fill(t, "a", 8, P10[:8])
+    t.free("a")
+    hits = {n: t.create(f"p{n}", P10[:n]).cached_tokens for n in (3, 4, 5, 8, 9, 10)}
+    assert hits == {3: 0, 4: 0, 5: 4, 8: 4, 9: 8, 10: 8}
+    assert table_of(t, "p8") == [0] and table_of(t, "p9") == [0, 1]
+    assert t.allocator.ref_count.tolist()[:2] == [4, 2]
+
+
+def test_a_prefix_hit_stops_at_the_first_different_page_and_shares_live_pages() -> None:
+    t = make_table()
+    fill(t, "a", 10, P10)
+    b = t.create("b", [*P10[:4], 0, 0, 0, 0, 5])
+    assert (b.cached_tokens, t.block_table(b)) == (4, [0])
+    c = t.create("c", P10)
+    assert (c.cached_tokens, t.block_table(c)) == (8, [0, 1])
+    assert t.allocator.ref_count.tolist()[:3] == [3, 2, 1] and counts(t) == (3, 0, 5)
+
+
+def test_without_prefix_caching_nothing_is_hashed_or_cached() -> None:
+    t = make_table(prefix_caching=False)
+    fill(t, "a", 10, P10)
+    assert t.allocator.page_hash(0) is None
+    assert t.free("a") == 3 and counts(t) == (0, 0, 8)
+    assert t.create("b", P10).cached_tokens == 0
+
+
+def test_pages_appended_without_data_are_cached_at_the_next_append() -> None:
+    t = make_table()
+    fill(t, "a", 8, P10[:8], data=False)
+    assert [t.allocator.page_hash(p) for p in (0, 1)] == [None, None]
+    assert t.create("probe", P10).cached_tokens == 0
+    fill(t, "a", 1, [P10[8]], data=False)
+    assert [t.allocator.page_hash(p) for p in (0, 1)] == prefix_hashes(P10, 4)
+    assert t.create("probe2", P10).cached_tokens == 8
+
+
+def test_pages_appended_without_data_are_cached_at_the_next_step_listing_them() -> None:
+    t = make_table()
+    fill(t, "a", 8, P10[:8], data=False)
+    t.step([], ["a"])
+    assert [t.allocator.page_hash(p) for p in (0, 1)] == prefix_hashes(P10, 4)
+
+
+def test_a_step_caches_pages_written_before_it_not_the_pages_it_appends() -> None:
+    t = make_table()
+    fill(t, "a", 4, P10[:4], data=False)
+    fill(t, "b", 4, P10[:4], data=False)
+    # a's page 0 was filled before the step; page 1 is filled by the step, its data comes after.
+    t.step([("a", 4, P10[4:8])])
+    t.step([("b", 4, P10[4:8])], ["b"])
+    hashes = prefix_hashes(P10, 4)
+    assert [t.allocator.page_hash(p) for p in range(4)] == [hashes[0], None, None, None]
+    assert t.create("probe", P10).cached_tokens == 4
+    t.free("probe")
+    t.step([], ["a", "b"])  # the next step: both pages are written now
+    assert t.allocator.page_hash(2) == hashes[1]
+    assert t.create("probe", P10).cached_tokens == 8
+
+
+def test_pages_appended_without_data_are_cached_when_freed() -> None:
+    t = make_table()
+    fill(t, "a", 10, P10, data=False)
+    assert t.free("a") == 3
+    assert t.allocator.cached_pages() == [1, 0] and counts(t) == (0, 2, 6)
+    assert [t.allocator.page_hash(p) for p in (0, 1)] == prefix_hashes(P10, 4)
+
+
+def test_appends_without_token_ids_stop_hashing() -> None:
+    t = make_table()
+    fill(t, "a", 4, P10[:4])
+    fill(t, "a", 4)  # token ids unknown from here on
+    fill(t, "a", 4, [1, 2, 3, 4])
+    assert t.allocator.page_hash(0) == prefix_hashes(P10, 4)[0]
+    assert [t.allocator.page_hash(p) for p in (1, 2)] == [None, None]
+    assert t.free("a") == 3
+    assert t.allocator.cached_pages() == [0] and counts(t) == (0, 1, 7)
+    # A fork of such a sequence does not hash either.
+    fill(t, "b", 2)
+    t.fork("b", "c")
+    fill(t, "c", 6, [1, 2, 3, 4, 5, 6])
+    assert t.free("c") == 2 and t.allocator.cached_pages() == [0]
+
+
+def test_lru_evicts_the_least_recently_freed_first_and_a_tail_before_its_prefix() -> None:
+    t = make_table()
+    a_tokens, b_tokens = P10[:8], [5, 6, 7, 8, 9, 10, 11, 12]
+    fill(t, "a", 8, a_tokens)  # [0, 1]
+    fill(t, "b", 8, b_tokens)  # [2, 3]
+    t.free("a")
+    t.free("b")
+    assert t.allocator.cached_pages() == [1, 0, 3, 2] and counts(t) == (0, 4, 4)
+    fill(t, "c", 20)  # 4 free pages, then a's tail (page 1) is evicted
+    assert table_of(t, "c") == [1, 4, 5, 6, 7]
+    assert t.allocator.cached_pages() == [0, 3, 2] and t.allocator.num_evictions == 1
+    assert t.create("pa", [*a_tokens, 0]).cached_tokens == 4  # a's prefix page survived
+    t.free("pa")
+    assert t.allocator.cached_pages() == [3, 2, 0]  # the hit made page 0 the most recent
+    fill(t, "c", 8)
+    assert table_of(t, "c") == [1, 4, 5, 6, 7, 2, 3]
+    assert t.allocator.cached_pages() == [0] and t.allocator.num_evictions == 3
+    assert t.create("pb", [*b_tokens, 0]).cached_tokens == 0
+
+
+def test_a_hash_collision_is_caught_by_comparing_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Colliding:
+        """Every page hash the allocator computes is the same digest."""
+
+        @staticmethod
+        def sha256(data: bytes) -> "hashlib._Hash":
+            return hashlib.sha256(b"same")
+
+    monkeypatch.setattr(allocator_module, "hashlib", Colliding)
+    t = make_table()
+    a = t.allocator
+    taken = a.allocate(2)
+    # Page 0 holds the prompt's first page; page 1 other tokens under the hash its second page has.
+    h0 = a.commit([0], root_hash(""), token_bytes(P10[:4]), 32)
+    assert a.commit([1], h0, token_bytes([0, 0, 0, 0]), 32) == h0
+    a.release(taken[::-1])
+    b = t.create("b", P10)
+    assert (b.cached_tokens, t.block_table(b)) == (4, [0])
+    assert t.create("c", [*P10[:4], 0, 0, 0, 0, 1]).cached_tokens == 8
+
+
+def test_the_tenant_salt_keeps_prefixes_apart() -> None:
+    t = make_table()
+    fill_seq = t.create("a", tenant="x")
+    t.append("a", 10, P10, data_written=True, tenant="x")
+    t.free(fill_seq.seq_id, "x")
+    assert [t.allocator.page_hash(p) for p in (0, 1)] == prefix_hashes(P10, 4, "x")
+    assert t.create("a", P10, tenant="y").cached_tokens == 0
+    assert t.create("a", P10, tenant="").cached_tokens == 0
+    assert t.create("a", P10, tenant="x").cached_tokens == 8
+    assert (t.tenant_pages("x"), t.tenant_pages("y"), t.tenant_pages("")) == (2, 0, 0)
+
+
+def test_quota_exceeded_changes_nothing() -> None:
+    t = make_table(16, 4, max_pages_per_tenant=3)
+    tenants = ("x", "y")
+    t.create("a", tenant="x")
+    t.append("a", 12, [*P10, 41, 42], data_written=True, tenant="x")
+    assert t.tenant_pages("x") == 3
+    before = snapshot(t, tenants)
+    with pytest.raises(QuotaExceeded) as err:
+        t.append("a", 1, tenant="x")
+    assert err.value.code == "quota_exceeded"
+    with pytest.raises(QuotaExceeded):
+        t.fork("a", "c", tenant="x")
+    with pytest.raises(QuotaExceeded):
+        t.create("c", [*P10, 41, 42, 0], tenant="x")  # a 3-page prefix hit would pass the quota
+    with pytest.raises(QuotaExceeded):
+        t.step([("a", 1, None)], tenant="x")
+    assert snapshot(t, tenants) == before
+    t.create("a", tenant="y")
+    t.append("a", 12, tenant="y")  # another tenant has its own quota
+    t.free("a", "x")
+    c = t.create("c", [*P10, 41, 42, 0], tenant="x")
+    assert (c.cached_tokens, t.tenant_pages("x"), t.tenant_pages("y")) == (12, 3, 3)
+
+
+# -- step -----------------------------------------------------------------------------------------
+def test_step_validation_changes_nothing() -> None:
+    t = make_table()
+    fill(t, "a", 3, [1, 2, 3], data=False)
+    fill(t, "b", 5)
+    before = snapshot(t)
+    with pytest.raises(InvalidRequest, match="only once"):
+        t.step([("a", 1, None), ("b", 1, None), ("a", 1, None)])
+    with pytest.raises(InvalidRequest, match="token_ids"):
+        t.step([("a", 2, [4, 5]), ("b", 2, [1])])
+    with pytest.raises(InvalidRequest):
+        t.step([("a", 1, None), ("b", 0, None)])
+    with pytest.raises(SequenceNotFound):
+        t.step([("a", 2, None), ("zz", 1, None)])
+    with pytest.raises(SequenceNotFound):
+        t.step([("a", 2, None)], ["a", "zz"])
+    with pytest.raises(InvalidRequest, match="token_ids"):
+        t.append("a", 2, [1])
+    assert snapshot(t) == before
+
+
+def test_step_returns_the_lookup_table_of_the_listed_sequences() -> None:
+    t = make_table(64, 4)
+    fill(t, "a", 10)  # [0, 1, 2]
+    fill(t, "b", 3)  # [3]
+    t.create("c")
+    r = t.step([("b", 2, None), ("a", 7, None)], ["a", "b", "c"])
+    assert r.seq_ids == ["a", "b", "c"]
+    assert table_of(t, "a") == [0, 1, 2, 5, 6] and table_of(t, "b") == [3, 4]
+    assert r.lookup_table.dtype == np.uint32 and r.lookup_table.shape == (3, 24)
+    expected = np.full((3, 24), 64, dtype=np.uint32)
+    expected[0, :5] = [0, 1, 2, 5, 6]
+    expected[1, :2] = [3, 4]
+    np.testing.assert_array_equal(r.lookup_table, expected)
+    assert r.cache_lengths.dtype == np.uint32 and r.cache_lengths.tolist() == [10, 3, 0]
+    assert r.input_lengths == [7, 2, 0]
+    assert r.slots == [[10, 11, 20, 21, 22, 23, 24], [15, 16], []]
+    assert r.copies == []
+    # Default rows: the appended sequences, in order.
+    r = t.step([("c", 1, None), ("b", 1, None)])
+    assert r.seq_ids == ["c", "b"] and r.input_lengths == [1, 1]
+    assert r.cache_lengths.tolist() == [0, 5] and r.slots == [[28], [17]]
+    np.testing.assert_array_equal(r.lookup_table[:, :2], [[7, 64], [3, 4]])
+    assert r.lookup_table.shape == (2, 24) and (r.lookup_table[:, 2:] == 64).all()
+    empty = t.step([])
+    assert empty.lookup_table.shape == (0, 16) and empty.cache_lengths.shape == (0,)
+
+
+def test_lookup_tables_grow_past_the_initial_rows_and_columns() -> None:
+    t = make_table(64, 1)
+    for i in range(20):
+        t.create(f"s{i}")
+    r = t.step([(f"s{i}", 1 if i else 17, None) for i in range(20)])
+    assert r.lookup_table.shape == (20, 40)  # 17 pages: 8 * ceil(17 / 8) + 16
+    assert r.lookup_table[0, :17].tolist() == list(range(17))
+    assert (r.lookup_table[0, 17:] == 64).all()
+    assert r.lookup_table[1:, 0].tolist() == list(range(17, 36))
+    assert (r.lookup_table[1:, 1:] == 64).all()
+    assert r.slots[0] == list(range(17)) and r.slots[19] == [35]
+    r = t.step([], ["s3", "s0"])
+    assert r.lookup_table.shape == (2, 40) and r.cache_lengths.tolist() == [1, 17]
+
+
+def test_attention_batch_covers_the_last_q_len_positions() -> None:
+    t = make_table()
+    fill(t, "a", 10)
+    fill(t, "b", 2)
+    lut, cache_lengths, slots = t.attention_batch(["a", "b"], [3, 2])
+    assert lut.shape == (2, 24) and lut[0, :3].tolist() == [0, 1, 2] and lut[1, :1].tolist() == [3]
+    assert (lut[0, 3:] == 8).all() and (lut[1, 1:] == 8).all()
+    assert cache_lengths.tolist() == [7, 0]
+    assert slots.tolist() == [7, 8, 9, 12, 13]
+    with pytest.raises(InvalidRequest, match="exceeds"):
+        t.attention_batch(["a", "b"], [1, 3])
+    with pytest.raises(InvalidRequest, match="distinct"):
+        t.attention_batch(["a", "a"], [1, 1])
+
+
+def test_free_returns_the_pages_whose_last_reference_it_dropped() -> None:
+    t = make_table()
+    fill(t, "a", 9, P10[:9])
+    t.fork("a", "c")
+    b = t.create("b", P10[:9])
+    assert t.block_table(b) == [0, 1]
+    assert t.free("a") == 0
+    assert t.free("c") == 1  # page 2; pages 0 and 1 are still b's
+    assert counts(t) == (2, 0, 6)
+    assert t.free("b") == 2 and counts(t) == (0, 2, 6)
+    assert t.tenant_pages("") == 0 and len(t) == 0
