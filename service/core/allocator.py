@@ -9,8 +9,8 @@ no free page is left. All bulk paths are numpy operations; only prefix-cache hit
 evictions touch pages one by one, each in O(1).
 
 Prefix index: a committed page's identity is the chained SHA-256 hash of its parent's hash and its
-token ids (service.core.hashing). The index is keyed by that hash's preimage, (parent hash, token
-bytes), so a lookup walks a prompt's pages with exact dict probes: a hit costs no SHA-256 at all
+token ids (service.core.hashing). The index is keyed by that hash's preimage, the bytes parent hash ‖
+token ids, so a lookup walks a prompt's pages with exact dict probes: a hit costs no SHA-256 at all
 (the matched entry hands over the hash the next probe needs) and can never be fooled by a digest
 collision, since the full token ids are part of the key. SHA-256 runs once per page, at commit.
 """
@@ -36,9 +36,9 @@ class PageAllocator:
         # Unreferenced pages with a committed hash, oldest release first (the eviction order).
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._is_hashed = np.zeros(num_pages, dtype=np.bool_)
-        # (parent hash, token bytes) -> (page, page hash); and per page, its key (None: unhashed).
-        self._entries: dict[tuple[bytes, bytes], tuple[int, bytes]] = {}
-        self._key_of_page: list[tuple[bytes, bytes] | None] = [None] * num_pages
+        # parent hash ‖ token bytes (the SHA-256 preimage) -> (page, page hash); and per page, its key.
+        self._entries: dict[bytes, tuple[int, bytes]] = {}
+        self._key_of_page: list[bytes | None] = [None] * num_pages
         self.num_evictions = 0
 
     # -- counts -------------------------------------------------------------------------------
@@ -65,6 +65,7 @@ class PageAllocator:
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, num: int) -> np.ndarray:
         """`num` pages with ref_count 1, in a deterministic order; all or nothing."""
+        num = int(num)  # counters stay Python ints (a numpy scalar would leak into JSON)
         if num > self.num_available:
             raise OutOfPages(num, self.num_available)
         if num <= 0:
@@ -130,7 +131,7 @@ class PageAllocator:
         entries = self._entries
         pages = []
         for start in range(0, len(data), page_nbytes):
-            entry = entries.get((parent, data[start : start + page_nbytes]))
+            entry = entries.get(parent + data[start : start + page_nbytes])
             if entry is None:
                 break
             pages.append(entry[0])
@@ -155,9 +156,8 @@ class PageAllocator:
         entries, key_of_page, sha256 = self._entries, self._key_of_page, hashlib.sha256
         added = []
         for page, start in zip(pages, range(0, len(data), page_nbytes)):
-            chunk = data[start : start + page_nbytes]
-            key = (parent, chunk)
-            parent = sha256(parent + chunk).digest()  # = hashing.page_hash(parent, chunk), inlined
+            key = parent + data[start : start + page_nbytes]
+            parent = sha256(key).digest()  # = hashing.page_hash(parent, chunk), inlined
             if key_of_page[page] is None:
                 entry = (page, parent)
                 if entries.setdefault(key, entry) is entry:

@@ -6,8 +6,14 @@ a hash, and a page's hash names its whole prefix, not only its own tokens.
 """
 
 import hashlib
+import struct
+import sys
+from array import array
 
-import numpy as np
+# Sequences keep their token ids in array("q") (native int64) and hash their raw bytes, which equal
+# the little-endian bytes above only on a little-endian machine (x86-64, arm64: every GPU host).
+if sys.byteorder != "little":
+    raise ImportError("kvpool's prefix hashing assumes a little-endian machine")
 
 _ROOT_DOMAIN = b"kvpool-prefix-v1\x00"
 
@@ -17,7 +23,13 @@ def root_hash(tenant: str) -> bytes:
 
 
 def token_bytes(token_ids: list[int]) -> bytes:
-    return np.fromiter(token_ids, dtype="<i8", count=len(token_ids)).tobytes()
+    """Token ids as little-endian int64 bytes (what page hashes and the prefix index are over)."""
+    return struct.pack(f"<{len(token_ids)}q", *token_ids)  # twice as fast as numpy on a list
+
+
+def int64_bytes(tokens: "array[int]") -> bytes:
+    """token_bytes() of an array("q") of token ids: a copy, not a conversion."""
+    return tokens.tobytes()
 
 
 def page_hash(parent: bytes, page_tokens: bytes) -> bytes:

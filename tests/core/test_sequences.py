@@ -1,5 +1,6 @@
 """SequenceTable on tiny pools (8 pages of 4 tokens unless said): exact page ids, all-or-nothing."""
 
+import dataclasses
 import hashlib
 import re
 
@@ -473,3 +474,17 @@ def test_free_returns_the_pages_whose_last_reference_it_dropped() -> None:
     assert counts(t) == (2, 0, 6)
     assert t.free("b") == 2 and counts(t) == (0, 2, 6)
     assert t.tenant_pages("") == 0 and len(t) == 0
+
+
+def test_counters_stay_python_ints_through_copy_on_write() -> None:
+    """The HTTP layer serializes these counts with orjson, which refuses numpy scalars."""
+    t = make_table()
+    fill(t, "a", 6, [1, 2, 3, 4, 5, 6])
+    t.fork("a", "c")
+    t.append("c", 1, [7])  # copy-on-write of the shared partial page
+    t.step([("a", 3, None), ("c", 1, None)])
+    t.free("a")
+    a = t.allocator
+    values = [a.num_free, a.num_cached, a.num_used, a.num_available, a.num_evictions, t.tenant_pages(""), len(t)]
+    assert all(type(v) is int for v in values), [type(v) for v in values]
+    assert all(type(getattr(t.stats, f.name)) is int for f in dataclasses.fields(t.stats))
