@@ -8,6 +8,7 @@ lut_columns(longest table) or more, so every LUT slice fits.
 import numpy as np
 
 from service.core.layout import lut_columns
+from service.core.lut import lookup_table, token_slots
 
 
 class BlockTables:
@@ -49,23 +50,24 @@ class BlockTables:
 
     def lookup_table(self, rows: np.ndarray) -> np.ndarray:
         """uint32 [len(rows), lut_columns(max pages)]: pages, then the sentinel everywhere else."""
-        max_pages = int(self.num_pages[rows].max()) if len(rows) else 0
-        return self.tables[rows, : lut_columns(max_pages)]
+        return lookup_table(self.tables, self.num_pages, rows)
+
+    def row_slots(self, row: int, start: int, count: int) -> np.ndarray:
+        """slots_of() for one row (a prompt): a broadcast over the pages it spans, no per-token gather."""
+        size = self.page_size
+        first = start // size
+        span = self.tables[row, first : -(-(start + count) // size)].astype(np.int64) * size
+        offset = start - first * size
+        return (span[:, None] + self._page_offsets).reshape(-1)[offset : offset + count]
 
     def slots_of(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """int64 slots (page * page_size + offset) of positions [starts[i], starts[i] + counts[i])
         of each row, concatenated."""
         size = self.page_size
-        if len(rows) == 1:  # a prompt: broadcast over the pages it spans, no per-token gather
-            start, count = int(starts[0]), int(counts[0])
-            first = start // size
-            span = self.tables[rows[0], first : -(-(start + count) // size)].astype(np.int64) * size
-            offset = start - first * size
-            return (span[:, None] + self._page_offsets).reshape(-1)[offset : offset + count]
+        if len(rows) == 1:
+            return self.row_slots(int(rows[0]), int(starts[0]), int(counts[0]))
         total = int(counts.sum())
         if total == len(rows):  # one token each: a decode step
             pos = starts
             return self.tables[rows, pos // size].astype(np.int64) * size + pos % size
-        seq_of = np.repeat(np.arange(len(rows)), counts)
-        pos = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts) + starts[seq_of]
-        return self.tables[rows[seq_of], pos // size].astype(np.int64) * size + pos % size
+        return token_slots(self.tables, rows, starts, counts, size)

@@ -33,4 +33,5 @@ def int64_bytes(tokens: "array[int]") -> bytes:
 
 
 def page_hash(parent: bytes, page_tokens: bytes) -> bytes:
+    """The hash of a page (the definition; PageAllocator.commit inlines it on its hot loop)."""
     return hashlib.sha256(parent + page_tokens).digest()

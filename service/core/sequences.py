@@ -12,62 +12,19 @@ import time
 import uuid
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from service.core.allocator import PageAllocator
-from service.core.block_tables import BlockTables
-from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceExists, SequenceNotFound
-from service.core.hashing import int64_bytes, root_hash, token_bytes
+from service.core.appends import AppendingTables
+from service.core.errors import InvalidRequest, SequenceExists, SequenceNotFound
+from service.core.hashing import root_hash, token_bytes
+from service.core.records import Append, Extension, Sequence, Stats, StepResult
+
+__all__ = ["Sequence", "SequenceTable", "Stats", "StepResult"]
 
 
-@dataclass(slots=True, eq=False)
-class Sequence:
-    seq_id: str
-    tenant: str
-    row: int
-    # Token ids so far as int64 (converted once, on arrival); None once an append came without
-    # token ids: the sequence's later pages are never hashed.
-    tokens: "array[int] | None"
-    last_hash: bytes  # hash of the last hashed page (the tenant root before the first)
-    cached_tokens: int = 0
-    ttl_s: float = 0.0
-    expires_at: float = 0.0
-
-
-@dataclass(slots=True)
-class Extension:
-    """What one append (or the appends of one step) changed on the device side."""
-
-    slots: np.ndarray  # int64 [total new tokens], sequences in order
-    offsets: list[int]  # slots[offsets[i]:offsets[i+1]] belong to the i-th sequence
-    copies: list[tuple[int, int]]  # (src page, dst page) copy-on-write copies to do before writing
-
-
-@dataclass(slots=True)
-class StepResult:
-    seq_ids: list[str]
-    lookup_table: np.ndarray  # uint32 [batch, lut_columns(max pages)]
-    cache_lengths: np.ndarray  # uint32 [batch], lengths before this step's appends
-    input_lengths: list[int]
-    slots: list[list[int]]
-    copies: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Stats:
-    tokens_appended: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    allocation_failures: int = 0
-    sequences_expired: int = 0
-
-
-Append = tuple[str, int, "list[int] | None"]  # (seq_id, num_tokens, token_ids)
-
-
-class SequenceTable(BlockTables):
+class SequenceTable(AppendingTables):
     def __init__(
         self,
         allocator: PageAllocator,
@@ -305,172 +262,6 @@ class SequenceTable(BlockTables):
             raise InvalidRequest(f"q_len {int(counts[i])} exceeds the length {int(lens[i])} of sequence {seq_ids[i]!r}")
         cache_lengths = lens - counts
         return self.lookup_table(rows), cache_lengths, self.slots_of(rows, cache_lengths, counts)
-
-    def _extend(
-        self,
-        rows: np.ndarray,
-        num_tokens: list[int],
-        token_lists: list[list[int] | None],
-        tenant: str,
-        data_written: bool = False,
-    ) -> Extension:
-        size, n = self.page_size, len(rows)
-        nt = np.array(num_tokens, dtype=np.int64)
-        self._check_token_ids(num_tokens, token_lists)
-        old_len = self.lengths[rows]
-        new_len = old_len + nt
-        old_np = self.num_pages[rows]
-        new_np = -(-new_len // size)
-        grow = new_np - old_np
-        cow = self._plan_copy_on_write(rows, old_len, old_np)
-        num_grow = int(grow.sum())
-        self._check_quota(tenant, num_grow)
-        needed = num_grow + len(cow)
-        if needed > self.allocator.num_available:
-            self.stats.allocation_failures += 1
-            raise OutOfPages(needed, self.allocator.num_available)
-        if n:
-            self._ensure_width(int(new_np.max()))
-        # All checks passed: from here on nothing can fail.
-        self._commit_pending(rows, old_len)  # earlier appends are written by now
-        pages = self.allocator.allocate(needed)
-        copies: list[tuple[int, int]] = []
-        if cow:
-            cow_rows, cols = rows[cow], old_np[cow] - 1
-            src = self.tables[cow_rows, cols].astype(np.int64)
-            self.tables[cow_rows, cols] = pages[: len(cow)]
-            copies = list(zip(src.tolist(), pages[: len(cow)].tolist()))
-            for page in src.tolist():  # one by one: two sequences may drop the same page
-                self.allocator.release(np.array([page], dtype=np.int64))
-        if num_grow:
-            new_pages = pages[len(cow) :]
-            if n == 1:
-                self.tables[rows[0], old_np[0] : new_np[0]] = new_pages
-            else:
-                g_idx = np.nonzero(grow)[0]
-                g_cnt = grow[g_idx]
-                seq_of = np.repeat(g_idx, g_cnt)
-                within = np.arange(num_grow) - np.repeat(np.cumsum(g_cnt) - g_cnt, g_cnt)
-                self.tables[rows[seq_of], old_np[seq_of] + within] = new_pages
-        self.lengths[rows] = new_len
-        self.num_pages[rows] = new_np
-        self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + num_grow
-        self.stats.tokens_appended += int(nt.sum())
-        slots = self.slots_of(rows, old_len, nt)
-        # (list.count runs in C: a decode step of hundreds of sequences mostly carries no token ids.)
-        if token_lists.count(None) != n or self.tokens_known[rows].any():
-            self._record_tokens(rows.tolist(), token_lists)
-        if data_written:
-            self._commit_pending(rows, new_len)
-        return Extension(slots=slots, offsets=[0, *np.cumsum(nt).tolist()], copies=copies)
-
-    def _extend_one(
-        self, seq: Sequence, count: int, toks: list[int] | None, tenant: str, data_written: bool
-    ) -> Extension:
-        """_extend() for one sequence in scalar arithmetic: numpy calls on 1-element arrays cost
-        about as much as the whole of a prompt's append, so the common case skips them."""
-        self._check_token_ids([count], [toks])
-        row, size, alloc = seq.row, self.page_size, self.allocator
-        old_len, old_np = int(self.lengths[row]), int(self.num_pages[row])
-        new_len = old_len + count
-        new_np = -(-new_len // size)
-        grow = new_np - old_np
-        cow = old_len % size != 0 and bool(alloc.ref_count[self.tables[row, old_np - 1]] > 1)
-        self._check_quota(tenant, grow)
-        if grow + cow > alloc.num_available:
-            self.stats.allocation_failures += 1
-            raise OutOfPages(grow + cow, alloc.num_available)
-        self._ensure_width(new_np)
-        # All checks passed: from here on nothing can fail.
-        if alloc.enable_prefix_caching and old_len >= (int(self.num_hashed[row]) + 1) * size:
-            self._commit_upto(seq, old_len // size)  # earlier appends are written by now
-        pages = alloc.allocate(grow + cow)
-        copies = []
-        if cow:
-            src = int(self.tables[row, old_np - 1])
-            self.tables[row, old_np - 1] = pages[0]
-            copies.append((src, int(pages[0])))
-            alloc.release(np.array([src], dtype=np.int64))
-        if grow:
-            self.tables[row, old_np:new_np] = pages[int(cow) :]
-        self.lengths[row], self.num_pages[row] = new_len, new_np
-        self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + grow
-        self.stats.tokens_appended += count
-        first = old_len // size
-        span = self.tables[row, first:new_np].astype(np.int64) * size
-        offset = old_len - first * size
-        slots = (span[:, None] + self._page_offsets).reshape(-1)[offset : offset + count]
-        self._record_tokens([row], [toks])
-        if data_written:
-            self._commit_upto(seq, new_len // size)
-        return Extension(slots=slots, offsets=[0, count], copies=copies)
-
-    def _plan_copy_on_write(self, rows: np.ndarray, old_len: np.ndarray, old_np: np.ndarray) -> list[int]:
-        """Indices of the sequences whose partial last page is shared and must be copied first.
-
-        When every holder of a shared page appends in the same step, the last one keeps it.
-        """
-        partial = np.nonzero(old_len % self.page_size)[0]
-        if len(partial) == 0:
-            return []
-        last = self.tables[rows[partial], old_np[partial] - 1].astype(np.int64)
-        shared = self.allocator.ref_count[last] > 1
-        if not shared.any():
-            return []
-        copies_left: dict[int, int] = {}
-        cow: list[int] = []
-        for i, page in zip(partial[shared].tolist(), last[shared].tolist()):
-            left = copies_left.setdefault(page, int(self.allocator.ref_count[page]))
-            if left > 1:
-                cow.append(i)
-                copies_left[page] = left - 1
-        return cow
-
-    # -- prefix hashing -----------------------------------------------------------------------
-    @staticmethod
-    def _check_token_ids(num_tokens: list[int], token_lists: list[list[int] | None]) -> None:
-        if num_tokens and min(num_tokens) < 1:
-            raise InvalidRequest("num_tokens must be >= 1")
-        if token_lists.count(None) == len(token_lists):
-            return
-        for count, toks in zip(num_tokens, token_lists):
-            if toks is not None and len(toks) != count:
-                raise InvalidRequest(f"token_ids has {len(toks)} ids for num_tokens={count}")
-
-    def _record_tokens(self, rows: list[int], token_lists: list[list[int] | None]) -> None:
-        for row, toks in zip(rows, token_lists):
-            seq = self._seq_of_row[row]
-            assert seq is not None
-            if toks is None:
-                self.tokens_known[row] = False
-                seq.tokens = None
-            elif seq.tokens is not None:
-                seq.tokens.frombytes(token_bytes(toks))  # 4x faster than extend() on a list
-
-    def _commit_pending(self, rows: np.ndarray, written: np.ndarray) -> None:
-        """Enter into the prefix cache every full page below `written` tokens not yet hashed."""
-        if not self.allocator.enable_prefix_caching or len(rows) == 0:
-            return
-        full = written // self.page_size
-        todo = np.nonzero(self.tokens_known[rows] & (full > self.num_hashed[rows]))[0]
-        for i in todo.tolist():
-            self._commit_upto(self._seq_of_row[int(rows[i])], int(full[i]))  # type: ignore[arg-type]
-
-    def _commit_upto(self, seq: Sequence, num_full: int) -> None:
-        row = seq.row
-        start = int(self.num_hashed[row])
-        if not self.allocator.enable_prefix_caching or seq.tokens is None or num_full <= start:
-            return
-        size = self.page_size
-        data = int64_bytes(seq.tokens[start * size : num_full * size])
-        pages = self.tables[row, start:num_full].tolist()
-        seq.last_hash = self.allocator.commit(pages, seq.last_hash, data, size * 8)
-        self.num_hashed[row] = num_full
-
-    def _check_quota(self, tenant: str, more: int) -> None:
-        limit, held = self.max_pages_per_tenant, self._tenant_pages.get(tenant, 0)
-        if limit and more > 0 and held + more > limit:
-            raise QuotaExceeded(f"tenant {tenant!r} holds {held} pages; {more} more would pass its quota of {limit}")
 
     # -- leases -------------------------------------------------------------------------------
     def expire(self, now: float) -> list[tuple[str, str]]:

@@ -1,0 +1,51 @@
+"""The records the core hands out: sequences, what an append changed, a step's result, counters."""
+
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: str
+    tenant: str
+    row: int
+    # Token ids so far as int64 (converted once, on arrival); None once an append came without
+    # token ids: the sequence's later pages are never hashed.
+    tokens: "array[int] | None"
+    last_hash: bytes  # hash of the last hashed page (the tenant root before the first)
+    cached_tokens: int = 0
+    ttl_s: float = 0.0
+    expires_at: float = 0.0
+
+
+@dataclass(slots=True)
+class Extension:
+    """What one append (or the appends of one step) changed on the device side."""
+
+    slots: np.ndarray  # int64 [total new tokens], sequences in order
+    offsets: list[int]  # slots[offsets[i]:offsets[i+1]] belong to the i-th sequence
+    copies: list[tuple[int, int]]  # (src page, dst page) copy-on-write copies to do before writing
+
+
+@dataclass(slots=True)
+class StepResult:
+    seq_ids: list[str]
+    lookup_table: np.ndarray  # uint32 [batch, lut_columns(max pages)]
+    cache_lengths: np.ndarray  # uint32 [batch], lengths before this step's appends
+    input_lengths: list[int]
+    slots: list[list[int]]
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Stats:
+    tokens_appended: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    allocation_failures: int = 0
+    sequences_expired: int = 0
+
+
+Append = tuple[str, int, "list[int] | None"]  # (seq_id, num_tokens, token_ids)
