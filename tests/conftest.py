@@ -8,7 +8,6 @@ import base64
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,10 @@ import httpx
 import numpy as np
 import torch
 
+from service.cli import free_port
+
+__all__ = ["free_port"]  # re-exported: tests import it from here
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -38,12 +41,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
