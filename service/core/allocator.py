@@ -13,13 +13,12 @@ token ids (service.core.hashing). The index is keyed by that hash's preimage, th
 token ids, so a lookup walks a prompt's pages with exact dict probes: a hit costs no SHA-256 at all
 (the matched entry hands over the hash the next probe needs) and can never be fooled by a digest
 collision, since the full token ids are part of the key. SHA-256 runs once per page, at commit.
+Those two per-page loops are compiled (service/core/prefix_index.py, _prefix.c).
 """
-
-import hashlib
-from collections import OrderedDict
 
 import numpy as np
 
+from service.core import prefix_index
 from service.core.errors import OutOfPages
 
 
@@ -33,12 +32,15 @@ class PageAllocator:
         # Free stack: the top is the end; reversed so that a fresh pool hands out 0, 1, 2, ...
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = num_pages
-        # Unreferenced pages with a committed hash, oldest release first (the eviction order).
-        self._cached: OrderedDict[int, None] = OrderedDict()
+        # Unreferenced pages with a committed hash, oldest release first (the eviction order): a
+        # linked list in an array (prefix_index.new_lru), O(1) per page, no Python objects.
+        self._lru = prefix_index.new_lru(num_pages)
+        self._num_cached = 0
         self._is_hashed = np.zeros(num_pages, dtype=np.bool_)
-        # parent hash ‖ token bytes (the SHA-256 preimage) -> (page, page hash); and per page, its key.
-        self._entries: dict[bytes, tuple[int, bytes]] = {}
+        # parent hash ‖ token bytes (the SHA-256 preimage) -> page; per page, its key and its hash.
+        self._entries: dict[bytes, int] = {}
         self._key_of_page: list[bytes | None] = [None] * num_pages
+        self._hashes = bytearray(32 * num_pages)
         self.num_evictions = 0
 
     # -- counts -------------------------------------------------------------------------------
@@ -48,16 +50,16 @@ class PageAllocator:
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached)
+        return self._num_cached
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - self._num_free - len(self._cached)
+        return self.num_pages - self._num_free - self._num_cached
 
     @property
     def num_available(self) -> int:
         """Pages an allocation can obtain: free ones plus evictable cached ones."""
-        return self._num_free + len(self._cached)
+        return self._num_free + self._num_cached
 
     def can_allocate(self, num: int) -> bool:
         return num <= self.num_available
@@ -79,16 +81,9 @@ class PageAllocator:
         return pages
 
     def _evict(self, num: int) -> None:
-        popitem, entries, key_of_page = self._cached.popitem, self._entries, self._key_of_page
-        evicted = []
-        for _ in range(num):
-            page = popitem(last=False)[0]
-            del entries[key_of_page[page]]  # type: ignore[arg-type]
-            key_of_page[page] = None
-            evicted.append(page)
-        pages = np.asarray(evicted, dtype=np.int64)
-        self._is_hashed[pages] = False
-        self._push_free(pages[::-1])
+        evicted = prefix_index.evict(self._lru, self._entries, self._key_of_page, self._is_hashed, num)
+        self._num_cached -= num
+        self._push_free(np.asarray(evicted[::-1], dtype=np.int64))
         self.num_evictions += num
 
     def _push_free(self, pages: np.ndarray) -> None:
@@ -117,8 +112,9 @@ class PageAllocator:
         if self.enable_prefix_caching and released:
             hashed = self._is_hashed[zero]
             if hashed.any():
-                for page in zero[hashed].tolist():
-                    self._cached[page] = None
+                cached = zero[hashed]
+                prefix_index.lru_push(self._lru, cached)
+                self._num_cached += len(cached)
                 zero = zero[~hashed]
         if len(zero):
             self._push_free(zero)
@@ -128,50 +124,30 @@ class PageAllocator:
     def match(self, parent: bytes, data: bytes, page_nbytes: int) -> tuple[list[int], bytes]:
         """Committed pages matching the leading full pages of `data` (token bytes), chained from
         `parent`; stops at the first miss. Returns (pages, hash of the last matched page or parent)."""
-        entries = self._entries
-        pages = []
-        for start in range(0, len(data), page_nbytes):
-            entry = entries.get(parent + data[start : start + page_nbytes])
-            if entry is None:
-                break
-            pages.append(entry[0])
-            parent = entry[1]
-        return pages, parent
+        return prefix_index.match(self._entries, self._hashes, parent, data, page_nbytes)
 
     def acquire_cached(self, pages: list[int]) -> None:
         """Take a reference to each of `pages` (distinct), all returned by match()."""
         ids = np.asarray(pages, dtype=np.int64)
         counts = self.ref_count[ids]
-        cached = self._cached
-        for page in ids[counts == 0].tolist():
-            del cached[page]
+        cached = ids[counts == 0]
+        prefix_index.lru_remove(self._lru, cached)
+        self._num_cached -= len(cached)
         self.ref_count[ids] = counts + 1
 
-    def commit(self, pages: list[int], parent: bytes, data: bytes, page_nbytes: int) -> bytes:
+    def commit(self, pages: list[int], parent: bytes, data: bytes | memoryview, page_nbytes: int) -> bytes:
         """Register full, written pages (whose token bytes are `data`) under their chained hashes.
 
         A key already present keeps its page (another sequence committed the same content first);
         a page already registered keeps its entry. Returns the hash of the last page.
         """
-        entries, key_of_page, sha256 = self._entries, self._key_of_page, hashlib.sha256
-        added = []
-        for page, start in zip(pages, range(0, len(data), page_nbytes)):
-            key = parent + data[start : start + page_nbytes]
-            parent = sha256(key).digest()  # = hashing.page_hash(parent, chunk), inlined
-            if key_of_page[page] is None:
-                entry = (page, parent)
-                if entries.setdefault(key, entry) is entry:
-                    key_of_page[page] = key
-                    added.append(page)
-        if added:
-            self._is_hashed[added] = True
-        return parent
+        entries, key_of_page, hashes, is_hashed = self._entries, self._key_of_page, self._hashes, self._is_hashed
+        return prefix_index.commit(entries, key_of_page, hashes, is_hashed, pages, parent, data, page_nbytes)
 
     def cached_pages(self) -> list[int]:
         """Cached pages, next to be evicted first."""
-        return list(self._cached)
+        return prefix_index.lru_pages(self._lru)
 
     def page_hash(self, page: int) -> bytes | None:
         """The chained SHA-256 hash a committed page is registered under (None if unhashed)."""
-        key = self._key_of_page[page]
-        return None if key is None else self._entries[key][1]
+        return None if self._key_of_page[page] is None else bytes(self._hashes[32 * page : 32 * page + 32])

@@ -6,9 +6,9 @@ a hash, and a page's hash names its whole prefix, not only its own tokens.
 """
 
 import hashlib
-import struct
 import sys
-from array import array
+
+from service.core import prefix_index
 
 # Sequences keep their token ids in array("q") (native int64) and hash their raw bytes, which equal
 # the little-endian bytes above only on a little-endian machine (x86-64, arm64: every GPU host).
@@ -23,13 +23,9 @@ def root_hash(tenant: str) -> bytes:
 
 
 def token_bytes(token_ids: list[int]) -> bytes:
-    """Token ids as little-endian int64 bytes (what page hashes and the prefix index are over)."""
-    return struct.pack(f"<{len(token_ids)}q", *token_ids)  # twice as fast as numpy on a list
-
-
-def int64_bytes(tokens: "array[int]") -> bytes:
-    """token_bytes() of an array("q") of token ids: a copy, not a conversion."""
-    return tokens.tobytes()
+    """Token ids as little-endian int64 bytes (what page hashes and the prefix index are over);
+    OverflowError for an id outside int64."""
+    return prefix_index.int64_bytes(token_ids)  # compiled: 4x struct.pack, 10x numpy on a list
 
 
 def page_hash(parent: bytes, page_tokens: bytes) -> bytes:

@@ -16,9 +16,11 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from service.core import prefix_index
 from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceNotFound
 from service.core.layout import lut_columns
 from service.core.sequences import SequenceTable
+from tests.core.conftest import SWAPPED
 from tests.core.helpers import make_table, ref_counts_from_tables, snapshot
 
 TENANTS = ("", "t")
@@ -403,6 +405,25 @@ TestPoolWithPrefixCaching = PoolMachine.TestCase
 TestPoolWithPrefixCaching.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+class TestPoolWithPythonPrefixIndex(PoolMachine.TestCase):  # type: ignore[misc,name-defined]
+    """The prefix-caching pool again, on the pure-Python prefix-index loops."""
+
+    settings = settings(
+        max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+
+    def setUp(self) -> None:
+        self.saved = {name: getattr(prefix_index, name) for name in SWAPPED}
+        for name in SWAPPED:
+            setattr(prefix_index, name, getattr(prefix_index, f"{name}_py"))
+
+    def tearDown(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(prefix_index, name, fn)
+
+
 TestPoolWithoutPrefixCaching = PoolMachineWithoutPrefixCaching.TestCase
 TestPoolWithoutPrefixCaching.settings = settings(
     max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
