@@ -175,156 +175,6 @@ static PyObject *py_sha256(PyObject *Py_UNUSED(self), PyObject *arg) {
     return PyBytes_FromStringAndSize((const char *)out, DIGEST);
 }
 
-/* A writable buffer of page hashes, 32 bytes per page. */
-static int get_hashes(PyObject *obj, Py_buffer *view, Py_ssize_t num_pages) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE) < 0)
-        return -1;
-    if (view->len < num_pages * DIGEST) {
-        PyErr_SetString(PyExc_ValueError, "hashes must hold 32 bytes per page");
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
-/* A writable buffer of one byte per page (a numpy bool array): the pages registered in the index. */
-static int get_flags(PyObject *obj, Py_buffer *view, Py_ssize_t num_pages) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE) < 0)
-        return -1;
-    if (view->len != num_pages) {
-        PyErr_SetString(PyExc_ValueError, "is_hashed must hold one byte per page");
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
-/* commit(entries, key_of_page, hashes, is_hashed, pages, parent, data, page_nbytes) -> last hash
- *
- * Page i's key is parent_i || chunk_i and its hash parent_{i+1} = sha256(key). A page not yet
- * registered (key_of_page[page] is None) gets entries[key] = page, key_of_page[page] = key, its
- * hash in hashes[32 page : 32 page + 32] and is_hashed[page] = 1, unless the key is taken (the first
- * committer keeps it). */
-static PyObject *py_commit(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *entries, *key_of_page, *hashes_obj, *flags_obj, *pages_obj;
-    Py_buffer parent, data, hashes = {0}, flags = {0};
-    Py_ssize_t page_nbytes;
-    if (!PyArg_ParseTuple(args, "O!O!OOOy*y*n", &PyDict_Type, &entries, &PyList_Type, &key_of_page, &hashes_obj,
-                          &flags_obj, &pages_obj, &parent, &data, &page_nbytes))
-        return NULL;
-    PyObject *result = NULL, *pages = NULL;
-    Message m = {NULL, 0, 0};
-    Py_ssize_t num_pages = PyList_GET_SIZE(key_of_page);
-    if (check_chain_args(&parent, &data, page_nbytes) < 0 || get_hashes(hashes_obj, &hashes, num_pages) < 0 ||
-        get_flags(flags_obj, &flags, num_pages) < 0)
-        goto done;
-    pages = PySequence_Fast(pages_obj, "pages must be a sequence");
-    if (pages == NULL)
-        goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(pages);
-    if (n > data.len / page_nbytes) {
-        PyErr_SetString(PyExc_ValueError, "more pages than data");
-        goto done;
-    }
-    if (message_init(&m, DIGEST + (size_t)page_nbytes) < 0)
-        goto done;
-    uint8_t hash[DIGEST];
-    memcpy(hash, parent.buf, DIGEST);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        memcpy(m.buf, hash, DIGEST);
-        memcpy(m.buf + DIGEST, (const uint8_t *)data.buf + i * page_nbytes, (size_t)page_nbytes);
-        message_digest(&m, hash);
-        PyObject *page = PySequence_Fast_GET_ITEM(pages, i);
-        Py_ssize_t index = PyNumber_AsSsize_t(page, PyExc_IndexError);
-        if (index == -1 && PyErr_Occurred())
-            goto done;
-        if (index < 0 || index >= num_pages) {
-            PyErr_SetString(PyExc_IndexError, "page out of range");
-            goto done;
-        }
-        if (PyList_GET_ITEM(key_of_page, index) != Py_None)
-            continue;
-        PyObject *key = PyBytes_FromStringAndSize((const char *)m.buf, (Py_ssize_t)m.len);
-        if (key == NULL)
-            goto done;
-        PyObject *kept = PyDict_SetDefault(entries, key, page); /* borrowed */
-        int ok = kept != NULL;
-        if (ok && kept == page) {
-            memcpy((uint8_t *)hashes.buf + index * DIGEST, hash, DIGEST);
-            ((uint8_t *)flags.buf)[index] = 1;
-            PyObject *old = PyList_GET_ITEM(key_of_page, index);
-            PyList_SET_ITEM(key_of_page, index, Py_NewRef(key));
-            Py_DECREF(old);
-        }
-        Py_DECREF(key);
-        if (!ok)
-            goto done;
-    }
-    result = PyBytes_FromStringAndSize((const char *)hash, DIGEST);
-done:
-    PyMem_Free(m.buf);
-    Py_XDECREF(pages);
-    if (hashes.obj != NULL)
-        PyBuffer_Release(&hashes);
-    if (flags.obj != NULL)
-        PyBuffer_Release(&flags);
-    PyBuffer_Release(&parent);
-    PyBuffer_Release(&data);
-    return result;
-}
-
-/* match(entries, hashes, parent, data, page_nbytes) -> (pages, last hash)
- *
- * Walks the leading pages of `data`: probe entries[parent || chunk]; on a hit take the page, and its
- * hash from `hashes` as the next parent; stop at the first miss. No SHA-256 runs here. */
-static PyObject *py_match(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *entries, *hashes_obj;
-    Py_buffer parent, data, hashes = {0};
-    Py_ssize_t page_nbytes;
-    if (!PyArg_ParseTuple(args, "O!Oy*y*n", &PyDict_Type, &entries, &hashes_obj, &parent, &data, &page_nbytes))
-        return NULL;
-    PyObject *result = NULL, *pages = NULL, *key = NULL;
-    if (check_chain_args(&parent, &data, page_nbytes) < 0 || get_hashes(hashes_obj, &hashes, 0) < 0)
-        goto done;
-    if ((pages = PyList_New(0)) == NULL)
-        goto done;
-    Py_ssize_t num_pages = hashes.len / DIGEST;
-    const uint8_t *last = parent.buf;
-    for (Py_ssize_t start = 0; start < data.len; start += page_nbytes) {
-        key = PyBytes_FromStringAndSize(NULL, DIGEST + page_nbytes);
-        if (key == NULL)
-            goto done;
-        memcpy(PyBytes_AS_STRING(key), last, DIGEST);
-        memcpy(PyBytes_AS_STRING(key) + DIGEST, (const char *)data.buf + start, (size_t)page_nbytes);
-        PyObject *page = PyDict_GetItemWithError(entries, key); /* borrowed */
-        Py_CLEAR(key);
-        if (page == NULL) {
-            if (PyErr_Occurred())
-                goto done;
-            break;
-        }
-        Py_ssize_t index = PyNumber_AsSsize_t(page, PyExc_IndexError);
-        if (index == -1 && PyErr_Occurred())
-            goto done;
-        if (index < 0 || index >= num_pages) {
-            PyErr_SetString(PyExc_IndexError, "page out of range");
-            goto done;
-        }
-        if (PyList_Append(pages, page) < 0)
-            goto done;
-        last = (const uint8_t *)hashes.buf + index * DIGEST;
-    }
-    result = Py_BuildValue("Oy#", pages, (const char *)last, (Py_ssize_t)DIGEST);
-done:
-    Py_XDECREF(key);
-    Py_XDECREF(pages);
-    if (hashes.obj != NULL)
-        PyBuffer_Release(&hashes);
-    PyBuffer_Release(&parent);
-    PyBuffer_Release(&data);
-    return result;
-}
-
 /* ---- the LRU of cached pages: a doubly linked list in an int32 array lru[num_pages + 1][2] ----------
  * lru[p][0] is the page before p (released earlier), lru[p][1] the one after; node num_pages is the
  * head: lru[head][1] is the oldest page, lru[head][0] the newest. Every operation is O(1) per page. */
@@ -429,55 +279,273 @@ static PyObject *py_lru_remove(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* evict(lru, entries, key_of_page, is_hashed, num) -> pages
+/* ---- the index: open addressing over page ids ----------------------------------------------------
+ * table:    int32 [capacity] (a power of two >= 2 * num_pages): a page id, or -1 for an empty slot;
+ *           linear probing, deletion by backward shift (no tombstones);
+ * keys:     uint8 [num_pages][32 + page_nbytes]: each registered page's key, parent hash || tokens;
+ * key_hash: int64 [num_pages]: the keyed hash of that key (CPython's SipHash of the bytes, seeded
+ *           per process, so that crafted prompts cannot pile up in one probe run);
+ * hashes:   uint8 [num_pages][32]: each registered page's own hash, sha256(key);
+ * is_hashed: bool [num_pages]: 1 while the page is registered. */
+typedef struct {
+    Py_buffer table, keys, key_hash, hashes, flags;
+    int32_t *slots;
+    size_t mask;
+    Py_ssize_t num_pages, key_len;
+} Index;
+
+static void index_release(Index *ix) {
+    Py_buffer *views[] = {&ix->table, &ix->keys, &ix->key_hash, &ix->hashes, &ix->flags};
+    for (size_t i = 0; i < sizeof views / sizeof *views; i++)
+        if (views[i]->obj != NULL)
+            PyBuffer_Release(views[i]);
+}
+
+static int get_view(PyObject *obj, Py_buffer *view, Py_ssize_t len, const char *what) {
+    if (obj == Py_None)
+        return 0;  /* an array this call does not need */
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len != len) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd bytes, expected %zd", what, view->len, len);
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+/* Fills ix from the arrays (None for one a call does not use); num_pages from key_hash. */
+static int index_init(Index *ix, PyObject *table, PyObject *keys, PyObject *key_hash, PyObject *hashes, PyObject *flags,
+                      Py_ssize_t page_nbytes) {
+    memset(ix, 0, sizeof *ix);
+    if (PyObject_GetBuffer(key_hash, &ix->key_hash, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    ix->num_pages = ix->key_hash.len / 8;
+    ix->key_len = DIGEST + page_nbytes;
+    if (PyObject_GetBuffer(table, &ix->table, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto fail;
+    size_t capacity = (size_t)ix->table.len / 4;
+    if (capacity < (size_t)ix->num_pages + 1 || (capacity & (capacity - 1)) != 0) {
+        PyErr_SetString(PyExc_ValueError, "table must be a power-of-two int32 array larger than num_pages");
+        goto fail;
+    }
+    ix->slots = ix->table.buf;
+    ix->mask = capacity - 1;
+    if (get_view(keys, &ix->keys, ix->num_pages * ix->key_len, "keys") < 0 ||
+        get_view(hashes, &ix->hashes, ix->num_pages * DIGEST, "hashes") < 0 ||
+        get_view(flags, &ix->flags, ix->num_pages, "is_hashed") < 0)
+        goto fail;
+    return 0;
+fail:
+    index_release(ix);
+    return -1;
+}
+
+static Py_hash_t key_hash_of(const uint8_t *key, Py_ssize_t len) {
+#if PY_VERSION_HEX >= 0x030E0000
+    return Py_HashBuffer(key, len);
+#else
+    return _Py_HashBytes(key, len);
+#endif
+}
+
+/* The slot holding the page whose key equals `key`, or the empty slot ending its probe run. */
+static size_t index_find(const Index *ix, const uint8_t *key, Py_hash_t h) {
+    const int64_t *kh = ix->key_hash.buf;
+    const uint8_t *keys = ix->keys.buf;
+    size_t i = (size_t)h & ix->mask;
+    for (int32_t p; (p = ix->slots[i]) >= 0; i = (i + 1) & ix->mask)
+        if (kh[p] == h && memcmp(keys + (size_t)p * ix->key_len, key, (size_t)ix->key_len) == 0)
+            break;
+    return i;
+}
+
+/* Removes the page in slot i, shifting later entries of the run back (Knuth's algorithm R). */
+static void index_delete(Index *ix, size_t i) {
+    const int64_t *kh = ix->key_hash.buf;
+    for (size_t j = i;;) {
+        j = (j + 1) & ix->mask;
+        int32_t p = ix->slots[j];
+        if (p < 0)
+            break;
+        size_t home = (size_t)kh[p] & ix->mask;
+        /* p may move to i unless its home lies cyclically in (i, j] */
+        if (i <= j ? (i < home && home <= j) : (i < home || home <= j))
+            continue;
+        ix->slots[i] = p;
+        i = j;
+    }
+    ix->slots[i] = -1;
+}
+
+/* commit(table, keys, key_hash, hashes, is_hashed, pages, parent, data, page_nbytes) -> last hash
  *
- * Unlinks the `num` oldest pages of the LRU and takes them out of the index: del
- * entries[key_of_page[page]], key_of_page[page] = None, is_hashed[page] = 0. The caller checks that
- * `num` pages are cached. Returns the pages as a list, oldest first. */
-static PyObject *py_evict(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *lru_obj, *entries, *key_of_page, *flags_obj;
-    Py_ssize_t num;
-    if (!PyArg_ParseTuple(args, "OO!O!On", &lru_obj, &PyDict_Type, &entries, &PyList_Type, &key_of_page, &flags_obj,
-                          &num))
+ * Page i's key is parent_i || chunk_i and its hash parent_{i+1} = sha256(key). A page not yet
+ * registered is entered under its key, unless another page holds that key (the first committer
+ * keeps it); registered pages keep their entry. */
+static PyObject *py_commit(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *table, *keys, *key_hash, *hashes, *flags, *pages_obj;
+    Py_buffer parent, data, pages = {0};
+    Py_ssize_t page_nbytes;
+    if (!PyArg_ParseTuple(args, "OOOOOOy*y*n", &table, &keys, &key_hash, &hashes, &flags, &pages_obj, &parent, &data,
+                          &page_nbytes))
         return NULL;
-    Lru lru;
-    Py_buffer flags = {0};
-    PyObject *pages = NULL;
+    PyObject *result = NULL;
+    Message m = {NULL, 0, 0};
+    Index ix;
+    int have_index = 0;
+    if (check_chain_args(&parent, &data, page_nbytes) < 0 ||
+        index_init(&ix, table, keys, key_hash, hashes, flags, page_nbytes) < 0)
+        goto done;
+    have_index = 1;
+    if (ix.keys.obj == NULL || ix.hashes.obj == NULL || ix.flags.obj == NULL) {
+        PyErr_SetString(PyExc_ValueError, "commit needs keys, hashes and is_hashed");
+        goto done;
+    }
+    if (get_pages(pages_obj, &pages, ix.num_pages) < 0)
+        goto done;
+    Py_ssize_t n = pages.len / 8;
+    if (n > data.len / page_nbytes) {
+        PyErr_SetString(PyExc_ValueError, "more pages than data");
+        goto done;
+    }
+    if (message_init(&m, (size_t)ix.key_len) < 0)
+        goto done;
+    const int64_t *ids = pages.buf;
+    int64_t *kh = ix.key_hash.buf;
+    uint8_t *flag = ix.flags.buf, *key = m.buf;
+    uint8_t hash[DIGEST];
+    memcpy(hash, parent.buf, DIGEST);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(key, hash, DIGEST);
+        memcpy(key + DIGEST, (const uint8_t *)data.buf + i * page_nbytes, (size_t)page_nbytes);
+        message_digest(&m, hash);  /* reads key[0, key_len) and the fixed padding after it */
+        int64_t page = ids[i];
+        if (flag[page])
+            continue;
+        Py_hash_t h = key_hash_of(key, ix.key_len);
+        size_t slot = index_find(&ix, key, h);
+        if (ix.slots[slot] >= 0)
+            continue;  /* the key is taken */
+        ix.slots[slot] = (int32_t)page;
+        memcpy((uint8_t *)ix.keys.buf + page * ix.key_len, key, (size_t)ix.key_len);
+        memcpy((uint8_t *)ix.hashes.buf + page * DIGEST, hash, DIGEST);
+        kh[page] = h;
+        flag[page] = 1;
+    }
+    result = PyBytes_FromStringAndSize((const char *)hash, DIGEST);
+done:
+    PyMem_Free(m.buf);
+    if (have_index)
+        index_release(&ix);
+    if (pages.obj != NULL)
+        PyBuffer_Release(&pages);
+    PyBuffer_Release(&parent);
+    PyBuffer_Release(&data);
+    return result;
+}
+
+/* match(table, keys, key_hash, hashes, parent, data, page_nbytes) -> (pages, last hash)
+ *
+ * Walks the leading pages of `data`: looks up parent || chunk; on a hit takes the page, and its hash
+ * as the next parent; stops at the first miss. No SHA-256 runs here. */
+static PyObject *py_match(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *table, *keys, *key_hash, *hashes;
+    Py_buffer parent, data;
+    Py_ssize_t page_nbytes;
+    if (!PyArg_ParseTuple(args, "OOOOy*y*n", &table, &keys, &key_hash, &hashes, &parent, &data, &page_nbytes))
+        return NULL;
+    PyObject *result = NULL, *pages = NULL;
+    uint8_t *key = NULL;
+    Index ix;
+    int have_index = 0;
+    if (check_chain_args(&parent, &data, page_nbytes) < 0 ||
+        index_init(&ix, table, keys, key_hash, hashes, Py_None, page_nbytes) < 0)
+        goto done;
+    have_index = 1;
+    if ((pages = PyList_New(0)) == NULL)
+        goto done;
+    const uint8_t *last = parent.buf;
+    if (ix.keys.obj != NULL && ix.hashes.obj != NULL) {  /* keys is None before the first commit */
+        if ((key = PyMem_Malloc((size_t)ix.key_len)) == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t start = 0; start < data.len; start += page_nbytes) {
+            memcpy(key, last, DIGEST);
+            memcpy(key + DIGEST, (const uint8_t *)data.buf + start, (size_t)page_nbytes);
+            int32_t page = ix.slots[index_find(&ix, key, key_hash_of(key, ix.key_len))];
+            if (page < 0)
+                break;
+            PyObject *id = PyLong_FromLong(page);
+            int bad = id == NULL || PyList_Append(pages, id) < 0;
+            Py_XDECREF(id);
+            if (bad)
+                goto done;
+            last = (const uint8_t *)ix.hashes.buf + (size_t)page * DIGEST;
+        }
+    }
+    result = Py_BuildValue("Oy#", pages, (const char *)last, (Py_ssize_t)DIGEST);
+done:
+    PyMem_Free(key);
+    Py_XDECREF(pages);
+    if (have_index)
+        index_release(&ix);
+    PyBuffer_Release(&parent);
+    PyBuffer_Release(&data);
+    return result;
+}
+
+/* evict(lru, table, key_hash, is_hashed, num) -> pages
+ *
+ * Unlinks the `num` oldest pages of the LRU and takes them out of the index (is_hashed[page] = 0).
+ * The caller checks that `num` pages are cached. Returns the pages as a list, oldest first. */
+static PyObject *py_evict(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *lru_obj, *table, *key_hash, *flags;
+    Py_ssize_t num;
+    if (!PyArg_ParseTuple(args, "OOOOn", &lru_obj, &table, &key_hash, &flags, &num))
+        return NULL;
     if (num < 0) {
         PyErr_SetString(PyExc_ValueError, "num must be >= 0");
         return NULL;
     }
+    Lru lru;
+    Index ix;
+    PyObject *pages = NULL;
     if (get_lru(lru_obj, &lru) < 0)
         return NULL;
-    if (PyList_GET_SIZE(key_of_page) != lru.head) {
-        PyErr_SetString(PyExc_ValueError, "key_of_page and lru disagree on the number of pages");
+    if (index_init(&ix, table, Py_None, key_hash, Py_None, flags, 0) < 0) {
+        PyBuffer_Release(&lru.view);
+        return NULL;
+    }
+    if (ix.num_pages != lru.head || ix.flags.obj == NULL) {
+        PyErr_SetString(PyExc_ValueError, "lru, key_hash and is_hashed disagree on the number of pages");
         goto done;
     }
-    if (get_flags(flags_obj, &flags, lru.head) < 0 || (pages = PyList_New(num)) == NULL)
+    if ((pages = PyList_New(num)) == NULL)
         goto done;
+    const int64_t *kh = ix.key_hash.buf;
+    uint8_t *flag = ix.flags.buf;
     for (Py_ssize_t i = 0; i < num; i++) {
         int32_t page = lru.l[2 * lru.head + 1];
-        if (page == lru.head) {
-            PyErr_SetString(PyExc_ValueError, "fewer cached pages than asked to evict");
-            Py_CLEAR(pages);  /* only on a caller's bug: the pages evicted so far stay evicted */
-            goto done;
-        }
-        PyObject *key = PyList_GET_ITEM(key_of_page, page);
-        PyObject *id = PyLong_FromLong(page);
-        if (id == NULL || PyDict_DelItem(entries, key) < 0) {
-            Py_XDECREF(id);
+        PyObject *id = page == lru.head ? NULL : PyLong_FromLong(page);
+        if (id == NULL) {
+            if (!PyErr_Occurred())  /* a caller's bug: the pages evicted so far stay evicted */
+                PyErr_SetString(PyExc_ValueError, "fewer cached pages than asked to evict");
             Py_CLEAR(pages);
             goto done;
         }
+        size_t slot = (size_t)kh[page] & ix.mask;
+        while (ix.slots[slot] != page)  /* a registered page is in its key's probe run */
+            slot = (slot + 1) & ix.mask;
+        index_delete(&ix, slot);
         lru_unlink(lru.l, page);
+        flag[page] = 0;
         PyList_SET_ITEM(pages, i, id);
-        PyList_SET_ITEM(key_of_page, page, Py_NewRef(Py_None));
-        Py_DECREF(key);
-        ((uint8_t *)flags.buf)[page] = 0;
     }
 done:
-    if (flags.obj != NULL)
-        PyBuffer_Release(&flags);
+    index_release(&ix);
     PyBuffer_Release(&lru.view);
     return pages;
 }
@@ -514,9 +582,10 @@ static PyObject *py_int64_bytes(PyObject *Py_UNUSED(self), PyObject *arg) {
 static PyMethodDef methods[] = {
     {"sha256", py_sha256, METH_O, "sha256(data) -> 32-byte digest, with the compression in use."},
     {"commit", py_commit, METH_VARARGS,
-     "commit(entries, key_of_page, hashes, is_hashed, pages, parent, data, page_nbytes) -> last hash."},
-    {"match", py_match, METH_VARARGS, "match(entries, hashes, parent, data, page_nbytes) -> (pages, last hash)."},
-    {"evict", py_evict, METH_VARARGS, "evict(lru, entries, key_of_page, is_hashed, num) -> evicted pages."},
+     "commit(table, keys, key_hash, hashes, is_hashed, pages, parent, data, page_nbytes) -> last hash."},
+    {"match", py_match, METH_VARARGS,
+     "match(table, keys, key_hash, hashes, parent, data, page_nbytes) -> (pages, last hash)."},
+    {"evict", py_evict, METH_VARARGS, "evict(lru, table, key_hash, is_hashed, num) -> evicted pages."},
     {"lru_push", py_lru_push, METH_VARARGS, "lru_push(lru, pages): append pages as the newest."},
     {"lru_remove", py_lru_remove, METH_VARARGS, "lru_remove(lru, pages): unlink pages."},
     {"int64_bytes", py_int64_bytes, METH_O, "int64_bytes(token_ids) -> native int64 bytes."},

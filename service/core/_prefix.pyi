@@ -5,27 +5,30 @@ SHA256_IMPL: str
 
 def sha256(data: bytes | memoryview, /) -> bytes: ...
 def commit(
-    entries: dict[bytes, int],
-    key_of_page: list[bytes | None],
-    hashes: bytearray,
+    table: np.ndarray,
+    keys: np.ndarray,
+    key_hash: np.ndarray,
+    hashes: np.ndarray,
     is_hashed: np.ndarray,
-    pages: list[int],
+    pages: np.ndarray,
     parent: bytes,
     data: bytes | memoryview,
     page_nbytes: int,
     /,
 ) -> bytes: ...
 def match(
-    entries: dict[bytes, int], hashes: bytearray, parent: bytes, data: bytes | memoryview, page_nbytes: int, /
+    table: np.ndarray,
+    keys: np.ndarray | None,
+    key_hash: np.ndarray,
+    hashes: np.ndarray,
+    parent: bytes,
+    data: bytes | memoryview,
+    page_nbytes: int,
+    /,
 ) -> tuple[list[int], bytes]: ...
 def lru_push(lru: np.ndarray, pages: np.ndarray, /) -> None: ...
 def lru_remove(lru: np.ndarray, pages: np.ndarray, /) -> None: ...
 def evict(
-    lru: np.ndarray,
-    entries: dict[bytes, int],
-    key_of_page: list[bytes | None],
-    is_hashed: np.ndarray,
-    num: int,
-    /,
+    lru: np.ndarray, table: np.ndarray, key_hash: np.ndarray, is_hashed: np.ndarray, num: int, /
 ) -> list[int]: ...
 def int64_bytes(token_ids: list[int], /) -> bytes: ...

@@ -36,11 +36,10 @@ class PageAllocator:
         # linked list in an array (prefix_index.new_lru), O(1) per page, no Python objects.
         self._lru = prefix_index.new_lru(num_pages)
         self._num_cached = 0
-        self._is_hashed = np.zeros(num_pages, dtype=np.bool_)
-        # parent hash ‖ token bytes (the SHA-256 preimage) -> page; per page, its key and its hash.
-        self._entries: dict[bytes, int] = {}
-        self._key_of_page: list[bytes | None] = [None] * num_pages
-        self._hashes = bytearray(32 * num_pages)
+        # The prefix index (prefix_index.py): pages keyed by parent hash ‖ token bytes, the
+        # SHA-256 preimage of their hash; the keys array comes with the first commit.
+        self._table, self._key_hash, self._hashes, self._is_hashed = prefix_index.new_index(num_pages)
+        self._keys: np.ndarray | None = None
         self.num_evictions = 0
 
     # -- counts -------------------------------------------------------------------------------
@@ -81,7 +80,7 @@ class PageAllocator:
         return pages
 
     def _evict(self, num: int) -> None:
-        evicted = prefix_index.evict(self._lru, self._entries, self._key_of_page, self._is_hashed, num)
+        evicted = prefix_index.evict(self._lru, self._table, self._key_hash, self._is_hashed, num)
         self._num_cached -= num
         self._push_free(np.asarray(evicted[::-1], dtype=np.int64))
         self.num_evictions += num
@@ -124,7 +123,7 @@ class PageAllocator:
     def match(self, parent: bytes, data: bytes, page_nbytes: int) -> tuple[list[int], bytes]:
         """Committed pages matching the leading full pages of `data` (token bytes), chained from
         `parent`; stops at the first miss. Returns (pages, hash of the last matched page or parent)."""
-        return prefix_index.match(self._entries, self._hashes, parent, data, page_nbytes)
+        return prefix_index.match(self._table, self._keys, self._key_hash, self._hashes, parent, data, page_nbytes)
 
     def acquire_cached(self, pages: list[int]) -> None:
         """Take a reference to each of `pages` (distinct), all returned by match()."""
@@ -135,14 +134,19 @@ class PageAllocator:
         self._num_cached -= len(cached)
         self.ref_count[ids] = counts + 1
 
-    def commit(self, pages: list[int], parent: bytes, data: bytes | memoryview, page_nbytes: int) -> bytes:
+    def commit(self, pages: np.ndarray | list[int], parent: bytes, data: bytes | memoryview, page_nbytes: int) -> bytes:
         """Register full, written pages (whose token bytes are `data`) under their chained hashes.
 
         A key already present keeps its page (another sequence committed the same content first);
         a page already registered keeps its entry. Returns the hash of the last page.
         """
-        entries, key_of_page, hashes, is_hashed = self._entries, self._key_of_page, self._hashes, self._is_hashed
-        return prefix_index.commit(entries, key_of_page, hashes, is_hashed, pages, parent, data, page_nbytes)
+        if self._keys is None:
+            self._keys = np.zeros((self.num_pages, 32 + page_nbytes), dtype=np.uint8)
+        elif self._keys.shape[1] != 32 + page_nbytes:
+            raise ValueError(f"pages of {page_nbytes} token bytes; this allocator has {self._keys.shape[1] - 32}")
+        ids = np.ascontiguousarray(pages, dtype=np.int64)
+        index = (self._table, self._keys, self._key_hash, self._hashes, self._is_hashed)
+        return prefix_index.commit(*index, ids, parent, data, page_nbytes)
 
     def cached_pages(self) -> list[int]:
         """Cached pages, next to be evicted first."""
@@ -150,4 +154,4 @@ class PageAllocator:
 
     def page_hash(self, page: int) -> bytes | None:
         """The chained SHA-256 hash a committed page is registered under (None if unhashed)."""
-        return None if self._key_of_page[page] is None else bytes(self._hashes[32 * page : 32 * page + 32])
+        return self._hashes[page].tobytes() if self._is_hashed[page] else None

@@ -182,7 +182,7 @@ class AppendingTables(BlockTables):
         if not self.allocator.enable_prefix_caching or seq.tokens is None or num_full <= start:
             return
         size = self.page_size
-        pages = self.tables[row, start:num_full].tolist()
+        pages = self.tables[row, start:num_full].astype(np.int64)
         # A view, not a copy; released at once, since an array exporting a buffer cannot grow.
         with memoryview(seq.tokens) as ids, ids.cast("B") as data:
             seq.last_hash = self.allocator.commit(

@@ -1,18 +1,23 @@
 """The per-page loops of the prefix cache: commit (chained SHA-256 + registration), match, evict,
-and the int64 conversion of token ids.
+the LRU list, and the int64 conversion of token ids.
 
 The compiled module service/core/_prefix.c runs them (setup.py builds it at install); the Python
-functions below are the definitions, the fallback when it is not built, and the tests' oracle.
+functions below are the definitions, the fallback when it is not built, and the tests' oracle: both
+work on the same numpy arrays and must leave them byte for byte the same.
 
-entries:     key -> page, where key = parent hash || the page's token bytes (the SHA-256 preimage
-             of the page's hash), so a probe compares the token ids exactly;
-key_of_page: per page, its key in entries, or None when the page is not registered;
-hashes:      per page, its hash (32 bytes at 32 * page), valid while the page is registered;
-is_hashed:   per page, 1 while it is registered (numpy bool, for the allocator's vector paths);
-lru:         registered pages nobody holds (cached), in a linked list, oldest release first (the
-             eviction order): new_lru() below.
-Entries hold no tuples and hashes live in one preallocated buffer: a commit allocates one bytes
-object per page, and nothing the garbage collector has to track.
+The index is an open-addressing hash table of page ids, keyed by each registered page's SHA-256
+preimage, parent hash || the page's token bytes, so a probe compares the token ids exactly and a
+hit computes no SHA-256. Its arrays (new_index() below):
+  table     int32 [capacity]: page id or -1; capacity a power of two >= 2 * num_pages; linear
+            probing, deletion by backward shift;
+  keys      uint8 [num_pages, 32 + page_nbytes]: each registered page's key (None until the first
+            commit fixes page_nbytes);
+  key_hash  int64 [num_pages]: hash(key) as CPython hashes bytes (SipHash, seeded per process, so
+            crafted prompts cannot be made to share a probe run);
+  hashes    uint8 [num_pages, 32]: each registered page's hash, sha256(key);
+  is_hashed bool [num_pages]: the page is registered.
+The LRU of cached pages (registered, unreferenced) is a linked list in an array (new_lru()).
+Nothing here allocates Python objects per page, and nothing is for the garbage collector to track.
 """
 
 import hashlib
@@ -21,46 +26,105 @@ from types import ModuleType
 
 import numpy as np
 
+DIGEST = 32
+
+
+def new_index(num_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(table, key_hash, hashes, is_hashed) of an empty index; keys come with the first commit."""
+    capacity = 1 << max(3, (2 * num_pages - 1).bit_length())
+    return (
+        np.full(capacity, -1, dtype=np.int32),
+        np.zeros(num_pages, dtype=np.int64),
+        np.zeros((num_pages, DIGEST), dtype=np.uint8),
+        np.zeros(num_pages, dtype=np.bool_),
+    )
+
+
+def _find(table: np.ndarray, keys: np.ndarray, key_hash: np.ndarray, key: bytes, h: int) -> int:
+    """The slot holding the page whose key is `key`, or the empty slot that ends its probe run."""
+    mask = len(table) - 1
+    i = h & mask
+    while (page := int(table[i])) >= 0:
+        if int(key_hash[page]) == h and keys[page].tobytes() == key:
+            break
+        i = (i + 1) & mask
+    return i
+
+
+def _delete(table: np.ndarray, key_hash: np.ndarray, i: int) -> None:
+    """Empty slot i, shifting later entries of its probe run back (Knuth's algorithm R)."""
+    mask = len(table) - 1
+    j = i
+    while True:
+        j = (j + 1) & mask
+        page = int(table[j])
+        if page < 0:
+            break
+        home = int(key_hash[page]) & mask
+        if (i < home <= j) if i <= j else (i < home or home <= j):
+            continue  # its home lies cyclically in (i, j]: it stays
+        table[i] = page
+        i = j
+    table[i] = -1
+
 
 def commit_py(
-    entries: dict[bytes, int],
-    key_of_page: list[bytes | None],
-    hashes: bytearray,
+    table: np.ndarray,
+    keys: np.ndarray,
+    key_hash: np.ndarray,
+    hashes: np.ndarray,
     is_hashed: np.ndarray,
-    pages: list[int],
+    pages: np.ndarray,
     parent: bytes,
     data: bytes | memoryview,
     page_nbytes: int,
 ) -> bytes:
     """Hash pages[i] (token bytes data[i*page_nbytes:(i+1)*page_nbytes]) after its predecessor and
-    register it unless it is registered already or its key is taken (the first committer keeps a
-    key). Returns the hash of the last page."""
+    register it unless it is registered already or another page holds its key (the first committer
+    keeps a key). Returns the hash of the last page."""
     _check(parent, data, page_nbytes)
-    if len(pages) > len(data) // page_nbytes:
+    ids = _page_ids(pages, len(key_hash))
+    if len(ids) > len(data) // page_nbytes:
         raise ValueError("more pages than data")
-    for page, start in zip(pages, range(0, len(data), page_nbytes)):
-        key = parent + data[start : start + page_nbytes]
+    for page, start in zip(ids, range(0, len(data), page_nbytes)):
+        key = parent + bytes(data[start : start + page_nbytes])
         parent = hashlib.sha256(key).digest()
-        if key_of_page[page] is None and entries.setdefault(key, page) is page:
-            key_of_page[page] = key
-            hashes[32 * page : 32 * page + 32] = parent
-            is_hashed[page] = True
+        if is_hashed[page]:
+            continue
+        h = hash(key)
+        slot = _find(table, keys, key_hash, key, h)
+        if table[slot] >= 0:
+            continue  # the key is taken
+        table[slot] = page
+        keys[page] = np.frombuffer(key, dtype=np.uint8)
+        key_hash[page] = h
+        hashes[page] = np.frombuffer(parent, dtype=np.uint8)
+        is_hashed[page] = True
     return parent
 
 
 def match_py(
-    entries: dict[bytes, int], hashes: bytearray, parent: bytes, data: bytes | memoryview, page_nbytes: int
+    table: np.ndarray,
+    keys: np.ndarray | None,
+    key_hash: np.ndarray,
+    hashes: np.ndarray,
+    parent: bytes,
+    data: bytes | memoryview,
+    page_nbytes: int,
 ) -> tuple[list[int], bytes]:
     """Registered pages matching the leading pages of `data`, chained from `parent`; stops at the
     first miss. Returns (pages, hash of the last matched page, or `parent`)."""
     _check(parent, data, page_nbytes)
-    pages = []
+    pages: list[int] = []
+    if keys is None:
+        return pages, parent
     for start in range(0, len(data), page_nbytes):
-        page = entries.get(parent + data[start : start + page_nbytes])
-        if page is None:
+        key = parent + bytes(data[start : start + page_nbytes])
+        page = int(table[_find(table, keys, key_hash, key, hash(key))])
+        if page < 0:
             break
         pages.append(page)
-        parent = bytes(hashes[32 * page : 32 * page + 32])
+        parent = hashes[page].tobytes()
     return pages, parent
 
 
@@ -100,9 +164,7 @@ def lru_remove_py(lru: np.ndarray, pages: np.ndarray) -> None:
         lru[after, 0] = before
 
 
-def evict_py(
-    lru: np.ndarray, entries: dict[bytes, int], key_of_page: list[bytes | None], is_hashed: np.ndarray, num: int
-) -> list[int]:
+def evict_py(lru: np.ndarray, table: np.ndarray, key_hash: np.ndarray, is_hashed: np.ndarray, num: int) -> list[int]:
     """Unlink the `num` oldest pages of the LRU and take them out of the index; returns them,
     oldest first. The caller checks that `num` pages are cached."""
     if num < 0:
@@ -113,9 +175,12 @@ def evict_py(
         page = int(lru[head, 1])
         if page == head:
             raise ValueError("fewer cached pages than asked to evict")
-        del entries[key_of_page[page]]  # type: ignore[arg-type]
+        mask = len(table) - 1
+        slot = int(key_hash[page]) & mask
+        while table[slot] != page:
+            slot = (slot + 1) & mask
+        _delete(table, key_hash, slot)
         lru_remove_py(lru, np.array([page], dtype=np.int64))
-        key_of_page[page] = None
         is_hashed[page] = False
         pages.append(page)
     return pages
@@ -137,7 +202,7 @@ def int64_bytes_py(token_ids: list[int]) -> bytes:
 
 
 def _check(parent: bytes, data: bytes | memoryview, page_nbytes: int) -> None:
-    if len(parent) != 32:
+    if len(parent) != DIGEST:
         raise ValueError("parent must be a 32-byte hash")
     if page_nbytes <= 0 or len(data) % page_nbytes:
         raise ValueError("data must be whole pages of page_nbytes > 0 bytes")
