@@ -34,10 +34,11 @@ COPY deploy/requirements.txt /tmp/requirements.txt
 RUN pip install --no-cache-dir --no-deps -r /tmp/requirements.txt && pip check
 
 WORKDIR /opt/kvpool
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY service ./service
 COPY kernels ./kernels
-# No build isolation: setuptools comes from the pinned list instead of an unpinned download.
+# No build isolation: setuptools comes from the pinned list instead of an unpinned download. The gcc and
+# Python headers installed above compile service/core/_prefix.c (the prefix-cache loops).
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
     && useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvpool kvpool
 

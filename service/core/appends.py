@@ -13,6 +13,14 @@ from service.core.hashing import token_bytes
 from service.core.records import Extension, Sequence, Stats
 
 
+def checked_token_bytes(token_ids: list[int]) -> bytes:
+    """token_bytes(), with InvalidRequest for an id that is no int64."""
+    try:
+        return token_bytes(token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidRequest(f"token ids must be int64 integers: {exc}") from None
+
+
 class AppendingTables(BlockTables):
     # Set by SequenceTable.__init__.
     allocator: PageAllocator
@@ -151,10 +159,7 @@ class AppendingTables(BlockTables):
         for count, toks in zip(num_tokens, token_lists):
             if toks is not None and len(toks) != count:
                 raise InvalidRequest(f"token_ids has {len(toks)} ids for num_tokens={count}")
-            try:
-                data.append(None if toks is None else token_bytes(toks))
-            except (OverflowError, TypeError) as exc:
-                raise InvalidRequest(f"token ids must be int64 integers: {exc}") from None
+            data.append(None if toks is None else checked_token_bytes(toks))
         return data
 
     def _record_tokens(self, rows: list[int], token_data: list[bytes | None]) -> None:

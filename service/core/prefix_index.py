@@ -195,9 +195,12 @@ def _page_ids(pages: np.ndarray, num_pages: int) -> list[int]:
 
 def int64_bytes_py(token_ids: list[int]) -> bytes:
     """Token ids as little-endian int64 bytes (what page hashes and the prefix index are over)."""
+    for token in token_ids:  # the compiled version's errors: TypeError, then OverflowError
+        if not isinstance(token, int):
+            raise TypeError(f"token ids must be ints, not {type(token).__name__}")
     try:
         return struct.pack(f"<{len(token_ids)}q", *token_ids)
-    except struct.error as exc:  # the compiled version's error
+    except struct.error as exc:
         raise OverflowError(str(exc)) from None
 
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import numpy as np
 
 from service.core.allocator import PageAllocator
-from service.core.appends import AppendingTables
+from service.core.appends import AppendingTables, checked_token_bytes
 from service.core.errors import InvalidRequest, SequenceExists, SequenceNotFound
-from service.core.hashing import root_hash, token_bytes
+from service.core.hashing import root_hash
 from service.core.records import Append, Extension, Sequence, Stats, StepResult
 
 __all__ = ["Sequence", "SequenceTable", "Stats", "StepResult"]
@@ -138,10 +138,10 @@ class SequenceTable(AppendingTables):
             return [], root, b""
         # Convert the first page alone: most prompts miss there, and then the rest needs no bytes.
         size, nbytes = self.page_size, self.page_size * 8
-        data = token_bytes(token_ids[:size])
+        data = checked_token_bytes(token_ids[:size])
         pages, last = self.allocator.match(root, data, nbytes)
         if pages and max_hits > 1:
-            rest = token_bytes(token_ids[size : max_hits * size])
+            rest = checked_token_bytes(token_ids[size : max_hits * size])
             more, last = self.allocator.match(last, rest, nbytes)
             pages += more
             data += rest

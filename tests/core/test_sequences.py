@@ -82,6 +82,23 @@ def test_generated_ids_duplicates_and_unknown_ids() -> None:
         t.get("s", "third")
 
 
+def test_token_ids_outside_int64_are_rejected_before_anything_changes() -> None:
+    t = make_table()
+    fill(t, "a", 6, list(range(6)), data=False)  # page 0 waits for its data: the next append commits it
+    t.create("b")
+    before = snapshot(t)
+    for call in (
+        lambda: t.append("a", 2, [1, 2**63]),
+        lambda: t.append("a", 1, [-(2**63) - 1], data_written=True),
+        lambda: t.step([("b", 1, [0]), ("a", 3, [1, 2, 2**64])]),
+        lambda: t.create("c", [1, 2**63, *range(8)]),
+    ):
+        with pytest.raises(InvalidRequest, match="int64"):
+            call()
+        assert snapshot(t) == before
+    assert t.allocator.page_hash(0) is None  # the failed appends committed nothing
+
+
 # -- out of pages: nothing changes ----------------------------------------------------------------
 def test_out_of_pages_on_append_changes_nothing() -> None:
     t = make_table()

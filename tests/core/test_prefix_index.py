@@ -1,0 +1,177 @@
+"""The compiled prefix-index loops (service/core/_prefix.c) against their Python definitions
+(service/core/prefix_index.py): same results, same errors, byte-identical arrays after every call."""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from service.core import prefix_index as pi
+from service.core.hashing import root_hash
+
+native = pi.native
+SHA_LENGTHS = [0, 1, 31, 55, 56, 63, 64, 65, 119, 120, 127, 128, 160, 1000, 2080]
+
+
+def test_the_compiled_module_is_built() -> None:
+    # `pip install -e .` builds it (setup.py); without it every loop runs in Python, 5x slower.
+    assert native is not None, "service/core/_prefix.c is not built: run `pip install -e .`"
+    assert native.SHA256_IMPL in ("sha-ni", "portable")
+
+
+@pytest.mark.parametrize("length", SHA_LENGTHS)
+def test_sha256_equals_hashlib(length: int) -> None:
+    data = os.urandom(length)
+    assert native.sha256(data) == hashlib.sha256(data).digest()
+
+
+def test_the_portable_sha256_equals_hashlib_too() -> None:
+    # The compression is chosen at import: a fresh interpreter with the SHA extensions turned off.
+    script = (
+        "import hashlib, os, sys\n"
+        "from service.core import _prefix as p\n"
+        "assert p.SHA256_IMPL == 'portable', p.SHA256_IMPL\n"
+        f"for n in {SHA_LENGTHS!r}:\n"
+        "    d = os.urandom(n)\n"
+        "    assert p.sha256(d) == hashlib.sha256(d).digest(), n\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "KVPOOL_SHA256_PORTABLE": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
+
+
+@given(st.lists(st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 2**63 - 1, -(2**63)]))))
+def test_int64_bytes_equals_the_definition(ids: list[int]) -> None:
+    assert native.int64_bytes(ids) == pi.int64_bytes_py(ids) == np.array(ids, dtype="<i8").tobytes()
+
+
+@pytest.mark.parametrize(
+    ("ids", "error"), [([1, 2**63], OverflowError), ([-(2**63) - 1], OverflowError), ([1, 2.0], TypeError)]
+)
+def test_int64_bytes_rejects_what_does_not_fit(ids: list[object], error: type[Exception]) -> None:
+    for convert in (native.int64_bytes, pi.int64_bytes_py):
+        with pytest.raises(error):
+            convert(ids)
+
+
+def test_bad_arguments_raise_the_same_errors() -> None:
+    table, key_hash, hashes, is_hashed = pi.new_index(4)
+    keys = np.zeros((4, 32 + 16), dtype=np.uint8)
+    root = root_hash("")
+    cases = [
+        ((np.array([0]), root[:31], bytes(16), 16), ValueError),  # parent is not a hash
+        ((np.array([0]), root, bytes(24), 16), ValueError),  # data is not whole pages
+        ((np.array([0, 1]), root, bytes(16), 16), ValueError),  # more pages than data
+        ((np.array([4]), root, bytes(16), 16), IndexError),  # no such page
+        ((np.array([-1]), root, bytes(16), 16), IndexError),
+    ]
+    for args, error in cases:
+        for commit in (native.commit, pi.commit_py):
+            with pytest.raises(error):
+                commit(table, keys, key_hash, hashes, is_hashed, *args)
+    assert not is_hashed.any() and (table == -1).all()  # nothing was registered
+    lru = pi.new_lru(4)
+    for evict in (native.evict, pi.evict_py):
+        with pytest.raises(ValueError, match="fewer cached pages"):
+            evict(lru, table, key_hash, is_hashed, 1)
+        with pytest.raises(ValueError):
+            evict(lru, table, key_hash, is_hashed, -1)
+
+
+NUM_PAGES, PAGE_TOKENS = 6, 2
+PAGE_NBYTES = 8 * PAGE_TOKENS
+pages_data = st.lists(st.lists(st.integers(0, 1), min_size=PAGE_TOKENS, max_size=PAGE_TOKENS), min_size=1, max_size=3)
+
+
+class Twins(RuleBasedStateMachine):
+    """The same random program on two copies of the index arrays, one run by each implementation.
+
+    A tiny vocabulary and pool make keys repeat (taken keys), collide in the 16-slot table (long
+    probe runs) and get evicted from the middle of runs (backward shifts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        table, key_hash, hashes, is_hashed = pi.new_index(NUM_PAGES)
+        keys = np.zeros((NUM_PAGES, 32 + PAGE_NBYTES), dtype=np.uint8)
+        self.arrays = {"c": [table, keys, key_hash, hashes, is_hashed, pi.new_lru(NUM_PAGES)]}
+        self.arrays["py"] = [a.copy() for a in self.arrays["c"]]
+        self.parents = [root_hash(""), root_hash("t")]
+        self.in_lru: list[int] = []
+
+    def run(self, fn: str, pick: list[int], *rest: object) -> object:
+        """Call fn on each copy with the arrays at positions `pick` first; results must agree."""
+        out = [getattr(impl, name)(*[self.arrays[side][i] for i in pick], *rest) for side, impl, name in self.impls(fn)]
+        assert out[0] == out[1]
+        return out[0]
+
+    @staticmethod
+    def impls(fn: str) -> list[tuple[str, object, str]]:
+        return [("c", native, fn), ("py", pi, f"{fn}_py")]
+
+    @rule(parent=st.integers(0, 63), chosen=st.permutations(range(NUM_PAGES)), data=pages_data)
+    def commit(self, parent: int, chosen: list[int], data: list[list[int]]) -> None:
+        pages = np.array(chosen[: len(data)], dtype=np.int64)
+        raw = np.array(data, dtype="<i8").tobytes()
+        last = self.run("commit", [0, 1, 2, 3, 4], pages, self.parents[parent % len(self.parents)], raw, PAGE_NBYTES)
+        self.parents.append(last)  # type: ignore[arg-type]
+
+    @rule(parent=st.integers(0, 63), data=pages_data)
+    def match(self, parent: int, data: list[list[int]]) -> None:
+        raw = np.array(data, dtype="<i8").tobytes()
+        found = self.run("match", [0, 1, 2, 3], self.parents[parent % len(self.parents)], raw, PAGE_NBYTES)
+        self.parents.append(found[1])  # type: ignore[index]
+
+    @precondition(lambda self: bool(self.cacheable()))
+    @rule(data=st.data())
+    def cache(self, data: st.DataObject) -> None:
+        chosen = data.draw(st.lists(st.sampled_from(self.cacheable()), min_size=1, unique=True))
+        self.run("lru_push", [5], np.array(chosen, dtype=np.int64))
+        self.in_lru += chosen
+
+    @precondition(lambda self: bool(self.in_lru))
+    @rule(data=st.data())
+    def uncache(self, data: st.DataObject) -> None:
+        chosen = data.draw(st.lists(st.sampled_from(self.in_lru), min_size=1, unique=True))
+        self.run("lru_remove", [5], np.array(chosen, dtype=np.int64))
+        self.in_lru = [p for p in self.in_lru if p not in chosen]
+
+    @precondition(lambda self: bool(self.in_lru))
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        num = data.draw(st.integers(0, len(self.in_lru)))
+        oldest_first = pi.lru_pages(self.arrays["c"][5])
+        assert self.run("evict", [5, 0, 2, 4], num) == oldest_first[:num]
+        self.in_lru = oldest_first[num:]
+
+    def cacheable(self) -> list[int]:
+        return [p for p in range(NUM_PAGES) if self.arrays["c"][4][p] and p not in self.in_lru]
+
+    @invariant()
+    def the_arrays_are_identical(self) -> None:
+        for c, py in zip(self.arrays["c"], self.arrays["py"]):
+            assert c.tobytes() == py.tobytes()
+
+    @invariant()
+    def every_registered_page_is_found_by_its_key(self) -> None:
+        table, keys, key_hash, hashes, is_hashed, lru = self.arrays["c"]
+        assert sorted(int(p) for p in table if p >= 0) == np.nonzero(is_hashed)[0].tolist()
+        for page in np.nonzero(is_hashed)[0].tolist():
+            key = keys[page].tobytes()
+            assert native.match(table, keys, key_hash, hashes, key[:32], key[32:], PAGE_NBYTES) == (
+                [page],
+                hashlib.sha256(key).digest(),
+            )
+        assert sorted(pi.lru_pages(lru)) == sorted(self.in_lru)
+
+
+TestTwins = Twins.TestCase
+TestTwins.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
