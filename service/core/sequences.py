@@ -220,14 +220,11 @@ class SequenceTable(AppendingTables):
         listed = rows if seq_ids is None else self._rows(seq_ids, tenant)
         before = self.lengths[listed].astype(np.uint32)
         ext = self._extend(rows, counts, token_lists, tenant)
-        flat = ext.slots.tolist()
-        if seq_ids is None:
-            input_lengths = counts
-            if len(flat) == len(ids):  # one token each
-                slots = [[s] for s in flat]
-            else:
-                offs = ext.offsets
-                slots = [flat[offs[i] : offs[i + 1]] for i in range(len(ids))]
+        flat, offs = ext.slots.tolist(), ext.offsets
+        if seq_ids is None and len(flat) == len(ids):  # one token each
+            input_lengths, slots = counts, ext.slots.reshape(-1, 1).tolist()
+        elif seq_ids is None:
+            input_lengths, slots = counts, [flat[offs[i] : offs[i + 1]] for i in range(len(ids))]
         else:
             # Pages written before this step only: the data of the pages appended now comes after it.
             self._commit_pending(listed, before)
@@ -236,7 +233,7 @@ class SequenceTable(AppendingTables):
             for seq_id in seq_ids:
                 i = index.get(seq_id)
                 input_lengths.append(0 if i is None else counts[i])
-                slots.append([] if i is None else flat[ext.offsets[i] : ext.offsets[i + 1]])
+                slots.append([] if i is None else flat[offs[i] : offs[i + 1]])
         return StepResult(
             seq_ids=ids if seq_ids is None else list(seq_ids),
             lookup_table=self.lookup_table(listed),

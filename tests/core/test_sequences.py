@@ -3,6 +3,7 @@
 import dataclasses
 import hashlib
 import re
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -509,3 +510,58 @@ def test_counters_stay_python_ints_through_copy_on_write() -> None:
     values = [a.num_free, a.num_cached, a.num_used, a.num_available, a.num_evictions, t.tenant_pages(""), len(t)]
     assert all(type(v) is int for v in values), [type(v) for v in values]
     assert all(type(getattr(t.stats, f.name)) is int for f in dataclasses.fields(t.stats))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_decode_step_path_equals_the_general_one(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random decode steps (one token each, with and without token ids, forks sharing partial pages,
+    frees, a pool that fills up) on two tables; the second has the decode fast path turned off."""
+    rng = np.random.default_rng(seed)
+    fast, general = make_table(24, 4, max_pages_per_tenant=20), make_table(24, 4, max_pages_per_tenant=20)
+    monkeypatch.setattr(general, "_extend_decode", lambda *args: None)
+    live: list[str] = []
+
+    def both(call: Callable[..., object], *args: object) -> bool:
+        """call(table, *args) on each table: the same outcome, or the same error; True when it succeeded."""
+        outcomes = []
+        for t in (fast, general):
+            try:
+                outcomes.append(call(t, *args))
+            except (OutOfPages, QuotaExceeded, SequenceNotFound) as exc:
+                outcomes.append(type(exc))
+        assert outcomes[0] == outcomes[1]
+        return not isinstance(outcomes[0], type)
+
+    def create(t: SequenceTable, seq_id: str, prompt: list[int]) -> int:
+        t.create(seq_id, prompt)
+        return int(t.append(seq_id, len(prompt), prompt, data_written=True)[1].slots.sum())
+
+    def fork(t: SequenceTable, parent: str, seq_id: str) -> list[int]:
+        return t.block_table(t.fork(parent, seq_id))
+
+    def step(t: SequenceTable, appends: list[tuple[str, int, list[int] | None]]) -> object:
+        r = t.step(appends)
+        return r.lookup_table.tolist(), r.cache_lengths.tolist(), r.slots, r.copies
+
+    steps = 0
+    for i in range(80):
+        op = rng.integers(0, 10)
+        if op < 2 and len(live) < 8:
+            prompt = rng.integers(0, 3, int(rng.integers(1, 9))).tolist()
+            if both(create, f"s{i}", prompt):
+                live.append(f"s{i}")
+            else:  # out of pages or quota in create or append: drop the sequence if it was made
+                both(SequenceTable.free, f"s{i}")
+        elif op < 3 and live:
+            parent = live[int(rng.integers(0, len(live)))]
+            if both(fork, parent, f"s{i}"):
+                live.append(f"s{i}")
+        elif op < 4 and live:
+            gone = live.pop(int(rng.integers(0, len(live))))
+            both(SequenceTable.free, gone)
+        elif len(live) >= 2:
+            chosen = rng.permutation(live)[: int(rng.integers(2, len(live) + 1))].tolist()
+            appends = [(s, 1, [int(rng.integers(0, 3))] if rng.random() < 0.5 else None) for s in chosen]
+            steps += both(step, appends)
+        assert snapshot(fast) == snapshot(general)
+    assert steps >= 10
