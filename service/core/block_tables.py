@@ -22,7 +22,7 @@ class BlockTables:
         self.num_hashed = np.zeros(cap, dtype=np.int64)  # leading pages committed to the prefix cache
         self.tokens_known = np.zeros(cap, dtype=np.bool_)  # every token id appended so far is known
         self._free_rows: list[int] = list(range(cap - 1, -1, -1))
-        self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self._page_offsets = np.empty(0, dtype=np.int64)  # grown by _offsets_of()
 
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -56,9 +56,19 @@ class BlockTables:
         """slots_of() for one row (a prompt): a broadcast over the pages it spans, no per-token gather."""
         size = self.page_size
         first = start // size
-        span = self.tables[row, first : -(-(start + count) // size)].astype(np.int64) * size
+        span = self.tables[row, first : -(-(start + count) // size)].astype(np.int64)
         offset = start - first * size
-        return (span[:, None] + self._page_offsets).reshape(-1)[offset : offset + count]
+        slots = np.repeat(span, size)  # in place from here: a broadcast over rows of `size` is slower
+        slots *= size
+        slots += self._offsets_of(len(span))
+        return slots[offset : offset + count]
+
+    def _offsets_of(self, num_pages: int) -> np.ndarray:
+        """0, 1, .., page_size - 1 repeated num_pages times (a view of a cached array)."""
+        need = num_pages * self.page_size
+        if len(self._page_offsets) < need:
+            self._page_offsets = np.tile(np.arange(self.page_size, dtype=np.int64), max(num_pages, 256))
+        return self._page_offsets[:need]
 
     def slots_of(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """int64 slots (page * page_size + offset) of positions [starts[i], starts[i] + counts[i])
