@@ -102,8 +102,9 @@ class AppendingTables(BlockTables):
         col, offset = np.divmod(old_len, size)
         page = self.tables[rows, col]  # uint32: the page of each new position; the sentinel where one opens
         opens = offset == 0
-        # (clip: a sentinel reads the last page's count, masked out by ~opens)
-        if (alloc.ref_count.take(page, mode="clip")[~opens] > 1).any():
+        # Shared and not opening a page (bools: a > b is a and not b). clip: a sentinel reads some
+        # page's count, masked out by opens.
+        if ((alloc.ref_count.take(page, mode="clip") > 1) > opens).any():
             return None
         grow = np.flatnonzero(opens)
         num_grow = len(grow)
@@ -113,7 +114,9 @@ class AppendingTables(BlockTables):
             raise OutOfPages(num_grow, alloc.num_available)
         self._ensure_width(int(col.max()) + 1)
         # All checks passed: from here on nothing can fail.
-        self._commit_pending(rows, old_len)  # earlier appends are written by now
+        known = self.tokens_known[rows]  # before this append: a decode step without ids has none
+        if known.any():
+            self._commit_pending(rows, old_len)  # earlier appends are written by now
         if num_grow:
             new_pages = alloc.allocate(num_grow)
             self.tables[rows[grow], col[grow]] = new_pages
@@ -123,8 +126,10 @@ class AppendingTables(BlockTables):
         self.num_pages[rows] = col + 1
         self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + num_grow
         self.stats.tokens_appended += n
-        slots = page.astype(np.int64) * size + offset
-        if token_data.count(None) != n or self.tokens_known[rows].any():
+        slots = page.astype(np.int64)
+        slots *= size
+        slots += offset
+        if token_data.count(None) != n or known.any():
             self._record_tokens(rows.tolist(), token_data)
         if data_written:
             self._commit_pending(rows, new_len)
