@@ -237,8 +237,9 @@ static void lru_push(int32_t *l, Py_ssize_t head, int64_t p) {
     l[2 * head] = (int32_t)p;
 }
 
-/* lru_push(lru, pages): append pages (not in the list) as the newest, in order. */
-static PyObject *py_lru_push(PyObject *Py_UNUSED(self), PyObject *args) {
+/* Applies `link` (lru_push or lru_unlink) to each of `pages` in order: lru_push(lru, pages) appends
+ * pages not in the list as the newest, lru_remove(lru, pages) unlinks pages that are in it. */
+static PyObject *lru_apply(PyObject *args, void (*link)(int32_t *, Py_ssize_t, int64_t)) {
     PyObject *lru_obj, *pages_obj;
     if (!PyArg_ParseTuple(args, "OO", &lru_obj, &pages_obj))
         return NULL;
@@ -252,32 +253,17 @@ static PyObject *py_lru_push(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     const int64_t *p = pages.buf;
     for (Py_ssize_t i = 0; i < pages.len / 8; i++)
-        lru_push(lru.l, lru.head, p[i]);
+        link(lru.l, lru.head, p[i]);
     PyBuffer_Release(&pages);
     PyBuffer_Release(&lru.view);
     Py_RETURN_NONE;
 }
 
-/* lru_remove(lru, pages): unlink pages (all in the list). */
-static PyObject *py_lru_remove(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *lru_obj, *pages_obj;
-    if (!PyArg_ParseTuple(args, "OO", &lru_obj, &pages_obj))
-        return NULL;
-    Lru lru;
-    Py_buffer pages;
-    if (get_lru(lru_obj, &lru) < 0)
-        return NULL;
-    if (get_pages(pages_obj, &pages, lru.head) < 0) {
-        PyBuffer_Release(&lru.view);
-        return NULL;
-    }
-    const int64_t *p = pages.buf;
-    for (Py_ssize_t i = 0; i < pages.len / 8; i++)
-        lru_unlink(lru.l, p[i]);
-    PyBuffer_Release(&pages);
-    PyBuffer_Release(&lru.view);
-    Py_RETURN_NONE;
-}
+static void lru_unlink_page(int32_t *l, Py_ssize_t Py_UNUSED(head), int64_t p) { lru_unlink(l, p); }
+
+static PyObject *py_lru_push(PyObject *Py_UNUSED(self), PyObject *args) { return lru_apply(args, lru_push); }
+
+static PyObject *py_lru_remove(PyObject *Py_UNUSED(self), PyObject *args) { return lru_apply(args, lru_unlink_page); }
 
 /* ---- the index: open addressing over page ids ----------------------------------------------------
  * table:    int32 [capacity] (a power of two >= 2 * num_pages): a page id, or -1 for an empty slot;
@@ -592,7 +578,9 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_prefix", "Compiled prefix-cache loops.", -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_prefix", "Compiled prefix-cache loops.", -1, methods, NULL, NULL, NULL, NULL,
+};
 
 PyMODINIT_FUNC PyInit__prefix(void) {
     const char *impl = "portable";

@@ -21,6 +21,7 @@ Nothing here allocates Python objects per page, and nothing is for the garbage c
 """
 
 import hashlib
+import importlib
 import struct
 from types import ModuleType
 
@@ -213,7 +214,7 @@ def _check(parent: bytes, data: bytes | memoryview, page_nbytes: int) -> None:
 
 native: ModuleType | None
 try:
-    from service.core import _prefix as native
+    native = importlib.import_module("service.core._prefix")
 except ImportError:  # not built: the definitions above do the work
     native = None
 
