@@ -133,7 +133,7 @@ class AppendingTables(BlockTables):
             self._record_tokens(rows.tolist(), token_data)
         if data_written:
             self._commit_pending(rows, new_len)
-        return Extension(slots=slots, offsets=list(range(n + 1)), copies=[])
+        return Extension(slots=slots, offsets=range(n + 1), copies=[])
 
     def _extend_one(
         self, seq: Sequence, count: int, toks: list[int] | None, tenant: str, data_written: bool

@@ -1,6 +1,7 @@
 """The records the core hands out: sequences, what an append changed, a step's result, counters."""
 
 from array import array
+from collections import abc
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +26,7 @@ class Extension:
     """What one append (or the appends of one step) changed on the device side."""
 
     slots: np.ndarray  # int64 [total new tokens], sequences in order
-    offsets: list[int]  # slots[offsets[i]:offsets[i+1]] belong to the i-th sequence
+    offsets: abc.Sequence[int]  # slots[offsets[i]:offsets[i+1]] belong to the i-th sequence
     copies: list[tuple[int, int]]  # (src page, dst page) copy-on-write copies to do before writing
 
 
@@ -35,8 +36,21 @@ class StepResult:
     lookup_table: np.ndarray  # uint32 [batch, lut_columns(max pages)]
     cache_lengths: np.ndarray  # uint32 [batch], lengths before this step's appends
     input_lengths: list[int]
-    slots: list[list[int]]
+    new_slots: np.ndarray  # int64 [sum(input_lengths)]: the new slots of seq_ids[0], then seq_ids[1], ...
     copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def slots(self) -> list[list[int]]:
+        """new_slots per sequence: slots[i] are those of seq_ids[i] (empty when it appended nothing).
+        Built on demand: a decode step's 256 one-element lists cost as much as the rest of it."""
+        lengths = self.input_lengths
+        if lengths.count(1) == len(lengths):
+            return self.new_slots.reshape(-1, 1).tolist()
+        flat, out, start = self.new_slots.tolist(), [], 0
+        for count in lengths:
+            out.append(flat[start : start + count])
+            start += count
+        return out
 
 
 @dataclass(slots=True)

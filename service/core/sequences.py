@@ -220,26 +220,25 @@ class SequenceTable(AppendingTables):
         listed = rows if seq_ids is None else self._rows(seq_ids, tenant)
         before = self.lengths[listed].astype(np.uint32)
         ext = self._extend(rows, counts, token_lists, tenant)
-        flat, offs = ext.slots.tolist(), ext.offsets
-        if seq_ids is None and len(flat) == len(ids):  # one token each
-            input_lengths, slots = counts, ext.slots.reshape(-1, 1).tolist()
-        elif seq_ids is None:
-            input_lengths, slots = counts, [flat[offs[i] : offs[i + 1]] for i in range(len(ids))]
+        if seq_ids is None:
+            input_lengths, new_slots = counts, ext.slots
         else:
             # Pages written before this step only: the data of the pages appended now comes after it.
             self._commit_pending(listed, before)
             index = {seq_id: i for i, seq_id in enumerate(ids)}
-            input_lengths, slots = [], []
+            offs, parts, input_lengths = ext.offsets, [], []
             for seq_id in seq_ids:
                 i = index.get(seq_id)
                 input_lengths.append(0 if i is None else counts[i])
-                slots.append([] if i is None else flat[offs[i] : offs[i + 1]])
+                if i is not None:
+                    parts.append(ext.slots[offs[i] : offs[i + 1]])
+            new_slots = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         return StepResult(
             seq_ids=ids if seq_ids is None else list(seq_ids),
             lookup_table=self.lookup_table(listed),
             cache_lengths=before,
             input_lengths=input_lengths,
-            slots=slots,
+            new_slots=new_slots,
             copies=ext.copies,
         )
 
