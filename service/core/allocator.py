@@ -5,15 +5,15 @@ Every page is in exactly one of three states:
   cached ref_count == 0, holds a committed prefix hash, reusable on a hit, evictable (LRU order)
   free   ref_count == 0, empty
 Allocation takes free pages first and evicts the least recently released cached pages only when
-no free page is left. All bulk paths are numpy operations; only prefix-cache hits, commits and
-evictions touch pages one by one, each in O(1).
+no free page is left. All bulk paths are numpy operations; the per-page loops of the prefix cache
+(commit, lookup, eviction, the LRU list) are compiled, each in O(1) per page
+(service/core/prefix_index.py holds their definitions, _prefix.c the compiled twins).
 
 Prefix index: a committed page's identity is the chained SHA-256 hash of its parent's hash and its
 token ids (service.core.hashing). The index is keyed by that hash's preimage, the bytes parent hash ‖
-token ids, so a lookup walks a prompt's pages with exact dict probes: a hit costs no SHA-256 at all
-(the matched entry hands over the hash the next probe needs) and can never be fooled by a digest
+token ids, so a lookup walks a prompt's pages with exact probes: a hit costs no SHA-256 at all (the
+matched page's stored hash is the next probe's parent) and can never be fooled by a digest
 collision, since the full token ids are part of the key. SHA-256 runs once per page, at commit.
-Those two per-page loops are compiled (service/core/prefix_index.py, _prefix.c).
 """
 
 import numpy as np
