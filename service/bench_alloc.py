@@ -82,8 +82,9 @@ def bench_prefix(rounds: int, hits: bool, full_pool: bool = False) -> float:
     return pages / elapsed
 
 
-def bench_step_in_process(steps: int) -> float:
-    """Median seconds of one step: 256 sequences with 4k contexts append one token each, LUT built."""
+def bench_step_in_process(steps: int) -> tuple[float, float]:
+    """(median, fastest) seconds of one step: 256 sequences with 4k contexts append one token each,
+    LUT built. The fastest is what the step costs when nothing else runs on the machine."""
     table = _table(True)
     ids = [f"seq-{i}" for i in range(BATCH)]
     for i, seq_id in enumerate(ids):
@@ -96,7 +97,7 @@ def bench_step_in_process(steps: int) -> float:
         result = table.step(appends)
         times.append(time.perf_counter() - t0)
     assert result.lookup_table.shape[0] == BATCH
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
 def bench_step_http(steps: int) -> float:
@@ -165,9 +166,10 @@ def main(args: argparse.Namespace) -> int:
     verdict = _verdict(evicting, 1e6)
     print(f"    the same, pool full (evicting) : {evicting / 1e6:8.2f} M pages/s   target >= 1    {verdict}")
     print(f"(b) prefix caching on, all hits    : {hit / 1e6:8.2f} M pages/s   target >= 1    {_verdict(hit, 1e6)}")
-    step = bench_step_in_process(20 if quick else 300)
+    step, fastest = bench_step_in_process(20 if quick else 300)
     verdict = _verdict(step, 100e-6, False)
     print(f"(c) step, 256 seqs, in process     : {step * 1e6:8.1f} us          target <= 100  {verdict}")
+    print(f"    (fastest of the steps          : {fastest * 1e6:8.1f} us)")
     http = bench_step_http(20 if quick else 300)
     verdict = _verdict(http, 5e-3, False)
     print(f"(c) step, 256 seqs, HTTP p50       : {http * 1e3:8.2f} ms          target <= 5    {verdict}")
