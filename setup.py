@@ -1,9 +1,15 @@
-"""The one compiled module: service/core/_prefix.c (prefix-cache hashing loops; see that file).
+"""The compiled modules of the core, each with a Python twin that runs when it is not built (a source
+tree used without `pip install`): service/core/_prefix.c (the prefix cache's per-page loops; twin:
+prefix_index.py) and service/core/_batch.c (a step's per-sequence loop; twin: batching.py).
 
-Everything else is in pyproject.toml. service/core/prefix_index.py falls back to pure Python when the
-module is not built (a source tree used without `pip install`), at a fifth of the speed on misses.
+Everything else is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("service.core._prefix", sources=["service/core/_prefix.c"])])
+setup(
+    ext_modules=[
+        Extension("service.core._prefix", sources=["service/core/_prefix.c"]),
+        Extension("service.core._batch", sources=["service/core/_batch.c"]),
+    ]
+)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from service.core import batching
 from service.core.allocator import PageAllocator
 from service.core.appends import AppendingTables, checked_token_bytes
 from service.core.errors import InvalidRequest, SequenceExists, SequenceNotFound
@@ -213,9 +214,15 @@ class SequenceTable(AppendingTables):
 
     def step(self, appends: list[Append], seq_ids: list[str] | None = None, tenant: str = "") -> StepResult:
         """All appends or none, then the lookup table of `seq_ids` (default: the appended ones)."""
-        ids, counts, token_lists = (list(c) for c in zip(*appends)) if appends else ([], [], [])
-        rows = self._rows(ids, tenant)
-        if len(set(ids)) != len(ids):
+        # Leases renew on every call naming a sequence: _rows() does that; without any, one C pass.
+        columns = None if self._num_leased else batching.unzip_appends(self._by_tenant.get(tenant, {}), appends)
+        if columns is None:
+            ids, counts, token_lists = (list(c) for c in zip(*appends)) if appends else ([], [], [])
+            rows, distinct = self._rows(ids, tenant), len(set(ids)) == len(ids)
+        else:
+            ids, counts, token_lists, raw_rows, distinct = columns
+            rows = np.frombuffer(raw_rows, dtype=np.int64)
+        if not distinct:
             raise InvalidRequest("a sequence may appear only once in the appends of a step")
         listed = rows if seq_ids is None else self._rows(seq_ids, tenant)
         before = self.lengths[listed].astype(np.uint32)
