@@ -167,7 +167,10 @@ class AppendingTables(BlockTables):
         self.lengths[row], self.num_pages[row] = new_len, new_np
         self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + grow
         self.stats.tokens_appended += count
-        slots = self.row_slots(row, old_len, count)
+        if old_len % size or cow:
+            slots = self.row_slots(row, old_len, count)
+        else:  # all new pages: no need to read them back from the table
+            slots = self.page_slots(pages, 0, count)
         self._record_tokens([row], token_data)
         if data_written:
             self._commit_upto(seq, new_len // size)

@@ -56,11 +56,16 @@ class BlockTables:
         """slots_of() for one row (a prompt): a broadcast over the pages it spans, no per-token gather."""
         size = self.page_size
         first = start // size
-        span = self.tables[row, first : -(-(start + count) // size)].astype(np.int64)
-        offset = start - first * size
-        slots = np.repeat(span, size)  # in place from here: a broadcast over rows of `size` is slower
-        slots *= size
-        slots += self._offsets_of(len(span))
+        span = self.tables[row, first : -(-(start + count) // size)]
+        return self.page_slots(span, start - first * size, count)
+
+    def page_slots(self, pages: np.ndarray, offset: int, count: int) -> np.ndarray:
+        """int64 slots of `count` consecutive positions starting at `offset` in pages[0], running on
+        through the following pages."""
+        size = self.page_size
+        slots = np.repeat(pages.astype(np.int64, copy=False), size)  # in place from here: faster than
+        slots *= size  # a broadcast over rows of `size`
+        slots += self._offsets_of(len(pages))
         return slots[offset : offset + count]
 
     def _offsets_of(self, num_pages: int) -> np.ndarray:
