@@ -58,5 +58,7 @@ TenantDep = Annotated[str, Depends(get_tenant)]
 
 
 def json_response(content: Any, status_code: int = 200) -> Response:
-    """orjson straight into the body: default pydantic serialization is too slow for the step path."""
-    return Response(orjson.dumps(content), status_code=status_code, media_type="application/json")
+    """orjson straight into the body: default pydantic serialization is too slow for the step path.
+    numpy arrays in `content` are written as (nested) lists, without a detour through Python lists."""
+    body = orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Response(body, status_code=status_code, media_type="application/json")
