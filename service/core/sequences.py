@@ -114,16 +114,16 @@ class SequenceTable(AppendingTables):
         seq_id = self._new_id(seq_id, tenant)
         hits, last_hash, data = self._match_prefix(token_ids or [], tenant)
         self._check_quota(tenant, len(hits))
-        row = self._take_row()
+        row = self._take_row()  # no pages, length 0
+        num_cached = len(hits) * self.page_size
+        tokens = array("q")
         if hits:
             self.allocator.acquire_cached(hits)
-        num_cached = len(hits) * self.page_size
-        self.tables[row, : len(hits)] = hits
-        self.lengths[row] = num_cached
-        self.num_pages[row] = self.num_hashed[row] = len(hits)
+            self.tables[row, : len(hits)] = hits
+            self.lengths[row] = num_cached
+            self.num_pages[row] = self.num_hashed[row] = len(hits)
+            tokens.frombytes(data[: num_cached * 8])  # little-endian int64, as array("q") is here
         self.tokens_known[row] = True
-        tokens = array("q")
-        tokens.frombytes(data[: num_cached * 8])  # little-endian int64, as array("q") is here
         seq = Sequence(seq_id, tenant, row, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
         self._add(seq, len(hits))
         if token_ids:
@@ -172,7 +172,8 @@ class SequenceTable(AppendingTables):
         """Release a sequence; returns how many of its pages became unreferenced."""
         seq = self.get(seq_id, tenant)
         row = seq.row
-        self._commit_upto(seq, int(self.lengths[row]) // self.page_size)
+        if seq.tokens is not None and self.allocator.enable_prefix_caching:
+            self._commit_upto(seq, int(self.lengths[row]) // self.page_size)
         num = int(self.num_pages[row])
         freed = self.allocator.release(self.tables[row, :num][::-1].astype(np.int64))  # tail first
         self._release_row(row)
