@@ -1,17 +1,18 @@
-"""Decode attention over the paged pool as one set of torch ops for the whole batch (the CPU serving path).
+"""The CPU serving path: decode attention as one set of torch ops for the whole batch, and K/V stores.
 
 `paged_attention_ref` loops over the sequences, a dozen small torch ops each; on the CPU the op
 overhead, not the arithmetic, is the cost of a decode step (`kvpool bench http`: ~1 ms of server CPU
 for an attend over 4 sequences). Here the batch's pages are gathered at once, padded to the longest
 sequence, and the padding masked out; prefill batches (several queries per sequence) still go through
-the per-sequence reference. Same conventions and results as kernels/reference.py (to rounding).
+the per-sequence reference. Same conventions and results as kernels/reference.py (attention to
+rounding, stores exactly).
 """
 
 import math
 
 import torch
 
-from kernels.reference import paged_attention_ref
+from kernels.reference import paged_attention_ref, store_kv_ref
 
 
 def paged_attention_batched(
@@ -82,3 +83,30 @@ def paged_decode_batched(
     v.masked_fill_(hidden[:, None, :, None], 0.0)  # v is the gathered copy, not the pool
     o = torch.matmul(p, v)  # [B, H, G, D]
     return o.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def store_kv_direct(
+    blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, layer: int | None = None
+) -> None:
+    """store_kv_ref with a third of its torch ops when every slot lies on a real page (the core's always do).
+
+    store_kv_ref masks out negative and null-page slots with half a dozen torch ops before writing; on the
+    CPU the range check costs less in numpy. Any slot out of range, or a tensor off the CPU: store_kv_ref.
+    k, v: [T, H, D] for one `layer`, or [L, T, H, D] for all layers when `layer` is None; slots: [T].
+    """
+    num_pages, page_size = blocks.shape[0] - 1, blocks.shape[3]
+    if slots.device.type != "cpu" or blocks.device.type != "cpu" or slots.numel() == 0:
+        store_kv_ref(blocks, k, v, slots, layer)
+        return
+    s = slots.numpy().astype("int64", copy=False)
+    if s.min() < 0 or s.max() >= num_pages * page_size:
+        store_kv_ref(blocks, k, v, slots, layer)
+        return
+    pages, offsets = torch.from_numpy(s // page_size), torch.from_numpy(s % page_size)
+    if layer is None:
+        # blocks[pages, i, :, offsets] -> [T, L, H, D]
+        blocks[pages, 0, :, offsets] = k.transpose(0, 1).to(blocks.dtype)
+        blocks[pages, 1, :, offsets] = v.transpose(0, 1).to(blocks.dtype)
+    else:
+        blocks[pages, 0, layer, offsets] = k.to(blocks.dtype)
+        blocks[pages, 1, layer, offsets] = v.to(blocks.dtype)

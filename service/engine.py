@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels.batched_reference import paged_attention_batched
-from kernels.reference import store_kv_ref
+from kernels.batched_reference import paged_attention_batched, store_kv_direct
 from service.engine_formats import format_pages
 from service.storage import Storage
 
@@ -76,7 +75,7 @@ class Engine:
             if self._store is not None:
                 self._store.store_kv(self.blocks, k, v, slots, layer)
             else:
-                store_kv_ref(self.blocks, k, v, slots, layer)
+                store_kv_direct(self.blocks, k, v, slots, layer)
 
     def attend(
         self,
