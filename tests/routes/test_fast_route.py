@@ -1,10 +1,10 @@
-"""The fast path (service/fast_route.py) answers exactly as FastAPI's request handler does.
+"""The fast path (service/fast_route.py) and RouteDispatch (service/dispatch.py) answer exactly as FastAPI does.
 
 Two apps with the same settings get the same requests: one as built, one with the fast path forced
 off (any entry in `app.dependency_overrides` sends every request to FastAPI's handler). Every answer
 must match byte for byte (status, headers, body), valid or not, and so must the pools afterwards.
 The requests that reach FastAPI's handler are counted to prove which path each request took, so the comparison
-cannot pass by both apps taking the same one.
+cannot pass by both apps taking the same one, and so are the requests the router selects itself.
 """
 
 import asyncio
@@ -21,6 +21,7 @@ from starlette.responses import Response
 import service.routing
 from service.app import create_app
 from service.config import Settings
+from service.dispatch import RouteDispatch
 from service.fast_route import FastPath
 from service.routing import ORJSONRoute
 from tests.conftest import enc
@@ -28,6 +29,16 @@ from tests.routes.test_async_handlers import api_routes
 
 SETTINGS = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=16, device="cpu")
 JSON = {"content-type": "application/json"}
+ROUTER_ANSWERS = [
+    ("PUT", "/v1/step"),
+    ("GET", "/v1/step"),
+    ("PATCH", "/v1/sequences/a"),
+    ("GET", "/v1/nothing"),
+    ("GET", "/v1/pool/"),
+    ("HEAD", "/healthz"),
+    ("GET", "/openapi.json"),
+    ("GET", "/docs"),
+]
 HOT_ROUTES = {
     ("POST", "/v1/sequences"),
     ("GET", "/v1/sequences/{seq_id}"),
@@ -97,6 +108,10 @@ def requests() -> Iterator[tuple[str, str, bytes | None, dict[str, str], bool]]:
     yield ("POST", f"/v1/sequences/{'x' * 129}/append", b'{"num_tokens": 1}', JSON, False)  # path pattern
     yield ("DELETE", "/v1/sequences/a%0A", None, {}, False)  # a newline: the pattern's $ must not match it
     yield ("GET", "/v1/sequences/a b", None, {}, False)
+    # What the router itself answers (RouteDispatch hands these over): 405, 404, the trailing-slash
+    # redirect, HEAD on a GET route, the docs.
+    for method, path in ROUTER_ANSWERS:
+        yield (method, path, None, {}, False)
     # Valid again, then the frees: the pools must end the same.
     yield ("DELETE", "/v1/sequences/a2", None, {}, True)
     yield ("DELETE", "/v1/sequences/b", None, {}, True)
@@ -133,6 +148,16 @@ def test_every_answer_matches_fastapis_handler(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(service.routing, "ORJSONRequest", CountingRequest)
     fast_app, slow_app = build_apps()
+    dispatch = fast_app.router.middleware_stack
+    assert isinstance(dispatch, RouteDispatch)
+    routed = []  # one entry per request the fast app's router selected itself
+    router_app = dispatch.router_app
+
+    async def counting_router(scope: Any, receive: Any, send: Any) -> None:
+        routed.append(1)
+        await router_app(scope, receive, send)
+
+    dispatch.router_app = counting_router
 
     async def run() -> None:
         fast = httpx.AsyncClient(transport=httpx.ASGITransport(app=fast_app), base_url="http://kvpool")
@@ -140,18 +165,21 @@ def test_every_answer_matches_fastapis_handler(monkeypatch: pytest.MonkeyPatch) 
         async with fast, slow:
             for method, path, body, headers, takes_fast_path in requests():
                 solved.clear()
+                routed.clear()
                 a = await fast.request(method, path, content=body, headers=headers)
                 fast_solves = len(solved)
+                assert len(routed) == ((method, path) in ROUTER_ANSWERS), f"{method} {path}"
                 b = await slow.request(method, path, content=body, headers=headers)
                 where = f"{method} {path} {body!r:.80}"
-                assert len(solved) - fast_solves == 1, where  # the forced app always takes FastAPI's path
-                assert fast_solves == (0 if takes_fast_path else 1), where
+                handled = (method, path) not in ROUTER_ANSWERS  # by an API route's handler
+                assert len(solved) - fast_solves == handled, where  # the forced app: always FastAPI's handler
+                assert fast_solves == (handled and not takes_fast_path), where
                 assert (a.status_code, without_instance_id(a.content)) == (
                     b.status_code,
                     without_instance_id(b.content),
                 ), where
                 assert a.headers.raw == b.headers.raw, where
-                if a.status_code >= 400:
+                if a.status_code >= 400 and method != "HEAD":  # a HEAD answer has no body
                     assert set(a.json()) == {"error"} and set(a.json()["error"]) == {"code", "message"}, where
 
     asyncio.run(run())
