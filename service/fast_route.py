@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 from fastapi import params
 from fastapi.dependencies.models import Dependant
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 
@@ -159,7 +159,10 @@ class FastPath:
                     return await slow(request)
                 values[name] = value
             if body_field is not None:
-                raw = await request.body()  # cached on the request: FastAPI's handler reads it again
+                try:
+                    raw = await read_body(request)  # cached on the request: FastAPI's handler reads it again
+                except ClientDisconnect:
+                    return await slow(request)  # which answers a disconnect mid-body as it always did
                 if not raw or _content_type(request) not in JSON_TYPES:
                     return await slow(request)
                 try:
@@ -183,6 +186,26 @@ class FastPath:
             return response
 
         return fast_handler
+
+
+async def read_body(request: Request) -> bytes:
+    """Request.body() without its async generator (a few µs a request): the same bytes, cached on the
+    request the same way, and the same ClientDisconnect when the client goes away mid-body."""
+    if hasattr(request, "_body"):
+        return request._body
+    chunks = []
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.request":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        elif message["type"] == "http.disconnect":
+            request._is_disconnected = True
+            raise ClientDisconnect()
+    request._stream_consumed = True
+    body = request._body = b"".join(chunks)
+    return body
 
 
 def _content_type(request: Request) -> bytes | None:

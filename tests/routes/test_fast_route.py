@@ -222,3 +222,53 @@ def test_routes_the_fast_path_does_not_handle_keep_fastapis_handler() -> None:
     for endpoint in (with_query, returns_dict, sync_endpoint, sync_dependency_user):
         assert FastPath.of(APIRoute("/x", endpoint)) is None, endpoint.__name__
     assert FastPath.of(ORJSONRoute("/x", request_only)) is not None
+
+
+def test_bodies_in_chunks_and_clients_gone_mid_body_are_answered_alike() -> None:
+    """A body in several ASGI messages takes the fast path; a disconnect mid-body gets FastAPI's answer."""
+    import orjson
+
+    body = orjson.dumps({"seq_id": "chunked", "token_ids": [1, 2, 3, 4, 5]})
+
+    async def call(app: FastAPI, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/sequences",
+            "raw_path": b"/v1/sequences",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"host", b"kvpool"), (b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+            "state": {},
+        }
+        pending = list(messages)
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return sent
+
+    async def run() -> None:
+        fast_app, slow_app = build_apps()
+        chunks = [
+            {"type": "http.request", "body": body[:10], "more_body": True},
+            {"type": "http.request", "body": body[10:], "more_body": False},
+        ]
+        gone = [{"type": "http.request", "body": body[:10], "more_body": True}, {"type": "http.disconnect"}]
+        for messages in (chunks, gone):
+            a, b = await call(fast_app, list(messages)), await call(slow_app, list(messages))
+            assert a == b
+        assert a[0]["status"] == 422  # FastAPI's 400 for a body it could not read, as the envelope maps it
+        assert fast_app.state.pool.sequences.get("chunked").seq_id == "chunked"
+
+    asyncio.run(run())
