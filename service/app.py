@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from service import __version__
 from service.auth import BearerAuth
 from service.config import Settings
+from service.dispatch import install_route_dispatch
 from service.http_errors import install_error_handlers
 from service.leases import start_lease_sweeper, stop_lease_sweeper
 from service.limits import BodySizeLimit
@@ -48,4 +49,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.api_key_tenants:
         app.add_middleware(BearerAuth, keys=settings.api_key_tenants)
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics, routes=app.router.routes)
+    install_route_dispatch(app)  # the API routes without FastAPI's walk through included routers
     return app

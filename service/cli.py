@@ -59,9 +59,21 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from service.shutdown import serve
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, workers=1, log_level=args.log_level, access_log=False)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, workers=1, log_level=args.log_level, access_log=False, http=http_protocol()
+    )
     serve(config, app.state.pool, settings.shutdown_grace_s)  # SIGTERM: /readyz 503, drain, exit 0
     return 0
+
+
+def http_protocol() -> Any:
+    """uvicorn's httptools protocol writing each response in one send (service/http_protocol.py), when
+    httptools is installed; uvicorn's own choice otherwise."""
+    try:
+        from service.http_protocol import CoalescingHttpToolsProtocol
+    except ImportError:
+        return "auto"
+    return CoalescingHttpToolsProtocol
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels.reference import paged_attention_ref, store_kv_ref
+from kernels.batched_reference import paged_attention_batched, store_kv_direct
 from service.engine_formats import format_pages
 from service.storage import Storage
 
@@ -75,7 +75,7 @@ class Engine:
             if self._store is not None:
                 self._store.store_kv(self.blocks, k, v, slots, layer)
             else:
-                store_kv_ref(self.blocks, k, v, slots, layer)
+                store_kv_direct(self.blocks, k, v, slots, layer)
 
     def attend(
         self,
@@ -97,7 +97,7 @@ class Engine:
                 return self.formats.attend(q.to(dev), layer, lut, cache_lengths, qsl, **options)
             if self._decode is not None and self._prefill is not None:
                 return self._attend_triton(q, layer, lut, cache_lengths, qsl, options)
-            out = paged_attention_ref(q.to(dev), self.blocks, layer, lut, cache_lengths, qsl, **options)
+            out = paged_attention_batched(q.to(dev), self.blocks, layer, lut, cache_lengths, qsl, **options)
         assert isinstance(out, torch.Tensor)
         return out
 

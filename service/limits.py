@@ -32,9 +32,14 @@ class BodySizeLimit:
             return
         limit = self.max_bytes
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await error_response(413, "payload_too_large", too_large_message(limit))(scope, receive, send)
-            return
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                await error_response(413, "payload_too_large", too_large_message(limit))(scope, receive, send)
+                return
+            if b"transfer-encoding" not in (k for k, _ in scope["headers"]):
+                # The server reads exactly Content-Length bytes of body: nothing to count.
+                await self.app(scope, receive, send)
+                return
 
         received = 0
         started = False

@@ -50,7 +50,9 @@ async def get_state(request: Request) -> PoolState:
 
 async def get_tenant(request: Request) -> str:
     """The tenant a request acts for ("" when API keys are off)."""
-    return getattr(request.state, "tenant", "")
+    # scope["state"] is what request.state wraps; read directly, a miss costs no AttributeError.
+    state: dict[str, Any] = request.scope.get("state") or {}
+    return str(state.get("tenant", ""))
 
 
 StateDep = Annotated[PoolState, Depends(get_state)]
