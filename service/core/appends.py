@@ -6,6 +6,7 @@ SequenceTable builds on this; the checks come first in every path, so a failure 
 
 import numpy as np
 
+from service.core import batching
 from service.core.allocator import PageAllocator
 from service.core.block_tables import BlockTables
 from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded
@@ -97,42 +98,31 @@ class AppendingTables(BlockTables):
         """_extend() of one token for each of many sequences in a third of the vector operations:
         the new position's page is known up front. None, having changed nothing, when a sequence's
         partial last page is shared (copy-on-write): the general path handles that."""
-        size, alloc, n = self.page_size, self.allocator, len(rows)
-        old_len = self.lengths[rows]
-        col, offset = np.divmod(old_len, size)
-        page = self.tables[rows, col]  # uint32: the page of each new position; the sentinel where one opens
-        opens = offset == 0
-        # Shared and not opening a page (bools: a > b is a and not b). clip: a sentinel reads some
-        # page's count, masked out by opens.
-        if ((alloc.ref_count.take(page, mode="clip") > 1) > opens).any():
+        size, alloc, n, width = self.page_size, self.allocator, len(rows), self.tables.shape[1]
+        plan = batching.decode_plan(self.tables, width, self.lengths, alloc.ref_count, rows, size)
+        if plan is None:
             return None
-        grow = np.flatnonzero(opens)
-        num_grow = len(grow)
+        num_grow, most_pages = plan
         self._check_quota(tenant, num_grow)
         if num_grow > alloc.num_available:
             self.stats.allocation_failures += 1
             raise OutOfPages(num_grow, alloc.num_available)
-        self._ensure_width(int(col.max()) + 1)
+        self._ensure_width(most_pages)
         # All checks passed: from here on nothing can fail.
         known = self.tokens_known[rows]  # before this append: a decode step without ids has none
         if known.any():
-            self._commit_pending(rows, old_len)  # earlier appends are written by now
-        if num_grow:
-            new_pages = alloc.allocate(num_grow)
-            self.tables[rows[grow], col[grow]] = new_pages
-            page[grow] = new_pages
-        new_len = old_len + 1
-        self.lengths[rows] = new_len
-        self.num_pages[rows] = col + 1
+            self._commit_pending(rows, self.lengths[rows])  # earlier appends are written by now
+        new_pages = alloc.allocate(num_grow)
+        slots = np.empty(n, dtype=np.int64)
+        batching.decode_apply(
+            self.tables, self.tables.shape[1], self.lengths, self.num_pages, rows, new_pages, size, slots
+        )
         self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + num_grow
         self.stats.tokens_appended += n
-        slots = page.astype(np.int64)
-        slots *= size
-        slots += offset
         if token_data.count(None) != n or known.any():
             self._record_tokens(rows.tolist(), token_data)
         if data_written:
-            self._commit_pending(rows, new_len)
+            self._commit_pending(rows, self.lengths[rows])
         return Extension(slots=slots, offsets=range(n + 1), copies=[])
 
     def _extend_one(

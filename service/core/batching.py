@@ -1,7 +1,8 @@
-"""The per-sequence loop at the start of a step: the appends split into columns, each sequence's row.
+"""The per-sequence loops of a step: the appends split into columns with each sequence's row, and a
+decode step's block-table updates (one token for each sequence).
 
-service/core/_batch.c runs it (setup.py builds it at install); unzip_appends_py below is its
-definition, the fallback when it is not built, and the tests' oracle.
+service/core/_batch.c runs them (setup.py builds it at install); the *_py functions below are their
+definitions, the fallback when it is not built, and the tests' oracle.
 """
 
 import importlib
@@ -30,6 +31,49 @@ def unzip_appends_py(seqs: Mapping[str, Any], appends: list[Any]) -> Columns | N
     return ids, counts, token_lists, np.array(rows, dtype=np.int64).tobytes(), len(set(ids)) == len(ids)
 
 
+def decode_plan_py(
+    tables: np.ndarray, width: int, lengths: np.ndarray, ref_count: np.ndarray, rows: np.ndarray, page_size: int
+) -> tuple[int, int] | None:
+    """For one more token in each of `rows`: (how many open a new page, the most pages a row has
+    after), or None when a row's partial last page is shared (it needs copy-on-write: the general
+    path's work). tables: uint32 [num_rows, width]. Changes nothing."""
+    col, offset = np.divmod(lengths[rows], page_size)
+    if len(rows) and int(col.max()) >= width:
+        raise ValueError("a block table is narrower than its length")
+    opens = offset == 0
+    partial = tables[rows[~opens], col[~opens]].astype(np.int64)
+    if (partial >= len(ref_count)).any():
+        raise ValueError("a partial page is missing from its block table")
+    if (ref_count[partial] > 1).any():
+        return None
+    return int(opens.sum()), int(col.max()) + 1 if len(rows) else 0
+
+
+def decode_apply_py(
+    tables: np.ndarray,
+    width: int,
+    lengths: np.ndarray,
+    num_pages: np.ndarray,
+    rows: np.ndarray,
+    new_pages: np.ndarray,
+    page_size: int,
+    slots: np.ndarray,
+) -> None:
+    """One more token in each of `rows` (distinct): rows whose length is a multiple of page_size take
+    the next of `new_pages` into their table; lengths grow by one, page counts follow; slots[i] is the
+    new token's slot of rows[i]."""
+    col, offset = np.divmod(lengths[rows], page_size)
+    if len(rows) and int(col.max()) >= width:
+        raise ValueError("a block table is narrower than its length")
+    grow = np.flatnonzero(offset == 0)
+    if len(grow) != len(new_pages):
+        raise ValueError(f"{len(grow)} rows open a page, {len(new_pages)} new pages given")
+    tables[rows[grow], col[grow]] = new_pages
+    slots[:] = tables[rows, col].astype(np.int64) * page_size + offset
+    lengths[rows] += 1
+    num_pages[rows] = col + 1
+
+
 native: ModuleType | None
 try:
     native = importlib.import_module("service.core._batch")
@@ -37,3 +81,5 @@ except ImportError:  # not built: the definition above does the work
     native = None
 
 unzip_appends = unzip_appends_py if native is None else native.unzip_appends
+decode_plan = decode_plan_py if native is None else native.decode_plan
+decode_apply = decode_apply_py if native is None else native.decode_apply

@@ -1,16 +1,21 @@
-"""The allocator and sequence tests run twice: on the compiled prefix-index loops (service/core/
-_prefix.c) and on their pure-Python definitions (service/core/prefix_index.py)."""
+"""The allocator and sequence tests run twice: on the compiled loops (service/core/_prefix.c,
+_batch.c) and on their pure-Python definitions (service/core/prefix_index.py, batching.py)."""
+
+from types import ModuleType
 
 import pytest
 
-from service.core import prefix_index
+from service.core import batching, prefix_index
 
-SWAPPED = ("commit", "match", "evict", "lru_push", "lru_remove", "int64_bytes")
+SWAPPED: list[tuple[ModuleType, str]] = [
+    *((prefix_index, name) for name in ("commit", "match", "evict", "lru_push", "lru_remove", "int64_bytes")),
+    *((batching, name) for name in ("unzip_appends", "decode_plan", "decode_apply")),
+]
 
 
 def use_python_prefix_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in SWAPPED:
-        monkeypatch.setattr(prefix_index, name, getattr(prefix_index, f"{name}_py"))
+    for module, name in SWAPPED:
+        monkeypatch.setattr(module, name, getattr(module, f"{name}_py"))
 
 
 @pytest.fixture(params=["compiled", "python"])

@@ -16,7 +16,6 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from service.core import prefix_index
 from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceNotFound
 from service.core.layout import lut_columns
 from service.core.sequences import SequenceTable
@@ -408,20 +407,20 @@ TestPoolWithPrefixCaching.settings = settings(
 
 
 class TestPoolWithPythonPrefixIndex(PoolMachine.TestCase):  # type: ignore[misc,name-defined]
-    """The prefix-caching pool again, on the pure-Python prefix-index loops."""
+    """The prefix-caching pool again, on the pure-Python twins of the compiled loops."""
 
     settings = settings(
         max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
     )
 
     def setUp(self) -> None:
-        self.saved = {name: getattr(prefix_index, name) for name in SWAPPED}
-        for name in SWAPPED:
-            setattr(prefix_index, name, getattr(prefix_index, f"{name}_py"))
+        self.saved = [(module, name, getattr(module, name)) for module, name in SWAPPED]
+        for module, name in SWAPPED:
+            setattr(module, name, getattr(module, f"{name}_py"))
 
     def tearDown(self) -> None:
-        for name, fn in self.saved.items():
-            setattr(prefix_index, name, fn)
+        for module, name, fn in self.saved:
+            setattr(module, name, fn)
 
 
 TestPoolWithoutPrefixCaching = PoolMachineWithoutPrefixCaching.TestCase
