@@ -6,12 +6,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#define MAX_ROW (1 << 24) /* rows of a block table; beyond, unzip_appends leaves the work to Python */
+
 /* unzip_appends(seqs, appends) -> (ids, counts, token_lists, rows, distinct) | None
  *
  * appends: a list of (seq_id, num_tokens, token_ids) tuples; seqs: seq_id -> an object with an int
  * attribute `row`. Returns the three columns as lists, the rows as native int64 bytes, and whether
- * the ids are distinct. None when an append is not such a tuple or an id is unknown: the caller's
- * Python path then raises the right error. */
+ * no row repeats. None when an append is not such a tuple, an id is unknown or a row is not an int
+ * in [0, 2**24): the caller's Python path then raises the right error. */
 static PyObject *py_unzip_appends(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *seqs, *appends;
     if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &seqs, &PyList_Type, &appends))
@@ -20,11 +22,12 @@ static PyObject *py_unzip_appends(PyObject *Py_UNUSED(self), PyObject *args) {
     if (row_name == NULL && (row_name = PyUnicode_InternFromString("row")) == NULL)
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(appends);
-    PyObject *ids = PyList_New(n), *counts = PyList_New(n), *tokens = PyList_New(n), *seen = PySet_New(NULL);
+    PyObject *ids = PyList_New(n), *counts = PyList_New(n), *tokens = PyList_New(n);
     PyObject *rows = PyBytes_FromStringAndSize(NULL, n * 8), *result = NULL;
-    if (ids == NULL || counts == NULL || tokens == NULL || seen == NULL || rows == NULL)
+    uint8_t *seen = NULL;
+    if (ids == NULL || counts == NULL || tokens == NULL || rows == NULL)
         goto done;
-    int64_t *row_of = (int64_t *)PyBytes_AS_STRING(rows);
+    int64_t *row_of = (int64_t *)PyBytes_AS_STRING(rows), most = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *append = PyList_GET_ITEM(appends, i);
         if (!PyTuple_CheckExact(append) || PyTuple_GET_SIZE(append) != 3)
@@ -41,19 +44,26 @@ static PyObject *py_unzip_appends(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         long long value = PyLong_CheckExact(row) ? PyLong_AsLongLong(row) : -1;
         Py_DECREF(row);
-        if (value < 0) {
+        if (value < 0 || value >= MAX_ROW) {
             if (PyErr_Occurred())
                 goto done;
             goto unusual;
         }
         row_of[i] = value;
-        if (PySet_Add(seen, seq_id) < 0)
-            goto done;
+        most = value > most ? value : most;
         PyList_SET_ITEM(ids, i, Py_NewRef(seq_id));
         PyList_SET_ITEM(counts, i, Py_NewRef(PyTuple_GET_ITEM(append, 1)));
         PyList_SET_ITEM(tokens, i, Py_NewRef(PyTuple_GET_ITEM(append, 2)));
     }
-    result = Py_BuildValue("OOOOO", ids, counts, tokens, rows, PySet_GET_SIZE(seen) == n ? Py_True : Py_False);
+    /* Whether any row repeats (ids are distinct exactly when their rows are): a byte per row. */
+    if ((seen = PyMem_Calloc((size_t)most + 1, 1)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int distinct = 1;
+    for (Py_ssize_t i = 0; i < n && distinct; i++)
+        distinct = !seen[row_of[i]]++;
+    result = Py_BuildValue("OOOOO", ids, counts, tokens, rows, distinct ? Py_True : Py_False);
     goto done;
 unusual:
     result = Py_NewRef(Py_None);
@@ -61,7 +71,7 @@ done: /* lists whose tail is still NULL are freed safely: list_dealloc skips NUL
     Py_XDECREF(ids);
     Py_XDECREF(counts);
     Py_XDECREF(tokens);
-    Py_XDECREF(seen);
+    PyMem_Free(seen);
     Py_XDECREF(rows);
     return result;
 }

@@ -13,12 +13,14 @@ from typing import Any
 import numpy as np
 
 Columns = tuple[list[str], list[int], list[Any], bytes, bool]
+MAX_ROW = 1 << 24  # rows of a block table; beyond, unzip_appends leaves the work to the caller
 
 
 def unzip_appends_py(seqs: Mapping[str, Any], appends: list[Any]) -> Columns | None:
-    """(ids, counts, token_lists, rows as native int64 bytes, whether the ids are distinct) of
-    `appends`, a list of (seq_id, num_tokens, token_ids) tuples, with rows read from seqs[seq_id].row.
-    None when an append is not such a tuple or an id is unknown: the caller's general path then
+    """(ids, counts, token_lists, rows as native int64 bytes, whether no row repeats) of `appends`, a
+    list of (seq_id, num_tokens, token_ids) tuples, with rows read from seqs[seq_id].row; ids are
+    distinct exactly when their rows are (one sequence per row). None when an append is not such a
+    tuple, an id is unknown or a row is not an int in [0, 2**24): the caller's general path then
     raises the right error."""
     if any(type(a) is not tuple or len(a) != 3 for a in appends):
         return None
@@ -26,9 +28,9 @@ def unzip_appends_py(seqs: Mapping[str, Any], appends: list[Any]) -> Columns | N
     if any(s not in seqs for s in ids):
         return None
     rows = [seqs[s].row for s in ids]
-    if any(type(r) is not int or r < 0 for r in rows):
+    if any(type(r) is not int or not 0 <= r < MAX_ROW for r in rows):
         return None
-    return ids, counts, token_lists, np.array(rows, dtype=np.int64).tobytes(), len(set(ids)) == len(ids)
+    return ids, counts, token_lists, np.array(rows, dtype=np.int64).tobytes(), len(set(rows)) == len(rows)
 
 
 def decode_plan_py(

