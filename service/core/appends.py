@@ -114,7 +114,7 @@ class AppendingTables(BlockTables):
             self._commit_pending(rows, self.lengths[rows])  # earlier appends are written by now
         new_pages = alloc.allocate(num_grow)
         slots = np.empty(n, dtype=np.int64)
-        batching.decode_apply(
+        batching.decode_apply(  # tables.shape[1] again: _ensure_width may have widened the table
             self.tables, self.tables.shape[1], self.lengths, self.num_pages, rows, new_pages, size, slots
         )
         self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + num_grow

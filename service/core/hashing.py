@@ -29,5 +29,5 @@ def token_bytes(token_ids: list[int]) -> bytes:
 
 
 def page_hash(parent: bytes, page_tokens: bytes) -> bytes:
-    """The hash of a page (the definition; PageAllocator.commit inlines it on its hot loop)."""
+    """The hash of a page (the definition; the prefix index's commit computes it in its own loop)."""
     return hashlib.sha256(parent + page_tokens).digest()

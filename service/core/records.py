@@ -40,14 +40,18 @@ class StepResult:
     copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
+    def one_token_each(self) -> bool:
+        """A decode step: every listed sequence appended exactly one token (slots = new_slots as [n, 1])."""
+        return self.input_lengths.count(1) == len(self.input_lengths)
+
+    @property
     def slots(self) -> list[list[int]]:
         """new_slots per sequence: slots[i] are those of seq_ids[i] (empty when it appended nothing).
         Built on demand: a decode step's 256 one-element lists cost as much as the rest of it."""
-        lengths = self.input_lengths
-        if lengths.count(1) == len(lengths):
+        if self.one_token_each:
             return self.new_slots.reshape(-1, 1).tolist()
         flat, out, start = self.new_slots.tolist(), [], 0
-        for count in lengths:
+        for count in self.input_lengths:
             out.append(flat[start : start + count])
             start += count
         return out

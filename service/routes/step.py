@@ -22,7 +22,6 @@ async def step(body: StepRequest, pool: StateDep, tenant: TenantDep) -> Response
     result = pool.sequences.step(appends, body.seq_ids, tenant)
     pool.engine.copy_pages(result.copies)
     cache_lengths = result.cache_lengths
-    one_each = result.input_lengths.count(1) == len(result.input_lengths)  # a decode step: [[slot], ...]
     return json_response(
         {
             "lookup_table": encode_array(result.lookup_table, "uint32"),
@@ -31,7 +30,7 @@ async def step(body: StepRequest, pool: StateDep, tenant: TenantDep) -> Response
             "max_prompt_length": max(result.input_lengths, default=0),
             "max_cache_length": int(cache_lengths.max()) if len(cache_lengths) else 0,
             "sentinel": pool.sequences.sentinel,
-            "slots": result.new_slots.reshape(-1, 1) if one_each else result.slots,
+            "slots": result.new_slots.reshape(-1, 1) if result.one_token_each else result.slots,  # numpy: no lists
             "format": body.format,
             **format_tables(body.format, result.lookup_table, cache_lengths, result.input_lengths, pool),
         }
