@@ -1,6 +1,7 @@
 """The compiled modules of the core, each with a Python twin that runs when it is not built (a source
 tree used without `pip install`): service/core/_prefix.c (the prefix cache's per-page loops; twin:
-prefix_index.py) and service/core/_batch.c (a step's per-sequence loop; twin: batching.py).
+prefix_index.py), service/core/_batch.c (a step's per-sequence loop; twin: batching.py) and
+service/core/_pages.c (allocation's per-page loops; twin: page_ops.py).
 
 Everything else is in pyproject.toml.
 """
@@ -11,5 +12,6 @@ setup(
     ext_modules=[
         Extension("service.core._prefix", sources=["service/core/_prefix.c"]),
         Extension("service.core._batch", sources=["service/core/_batch.c"]),
+        Extension("service.core._pages", sources=["service/core/_pages.c"]),
     ]
 )

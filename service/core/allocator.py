@@ -18,7 +18,7 @@ collision, since the full token ids are part of the key. SHA-256 runs once per p
 
 import numpy as np
 
-from service.core import prefix_index
+from service.core import page_ops, prefix_index
 from service.core.errors import OutOfPages
 
 
@@ -66,18 +66,21 @@ class PageAllocator:
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, num: int) -> np.ndarray:
         """`num` pages with ref_count 1, in a deterministic order; all or nothing."""
-        num = int(num)  # counters stay Python ints (a numpy scalar would leak into JSON)
-        if num > self.num_available:
+        pages = np.empty(max(int(num), 0), dtype=np.int64)
+        self.allocate_into(pages)
+        return pages
+
+    def allocate_into(self, out: np.ndarray) -> None:
+        """allocate(len(out)) written into `out` (int64, or uint32 such as a block-table row slice)."""
+        num = len(out)
+        if num > self._num_free + self._num_cached:
             raise OutOfPages(num, self.num_available)
-        if num <= 0:
-            return np.empty(0, dtype=np.int64)
+        if num == 0:
+            return
         if num > self._num_free:
             self._evict(num - self._num_free)
-        top = self._num_free
-        pages = self._free[top - num : top][::-1].copy()
-        self._num_free = top - num
-        self.ref_count[pages] = 1
-        return pages
+        page_ops.pop(self._free, self._num_free, self.ref_count, out)
+        self._num_free -= num
 
     def _evict(self, num: int) -> None:
         evicted = prefix_index.evict(self._lru, self._table, self._key_hash, self._is_hashed, num)
@@ -96,27 +99,22 @@ class PageAllocator:
         self.ref_count[pages] += 1
 
     def release(self, pages: np.ndarray) -> int:
-        """Drop one reference to each of `pages` (distinct ids).
+        """Drop one reference to each of `pages` (distinct ids; a 1-D uint32 or int64 array or view).
 
         Pages left unreferenced become cached (if hashed), in the order given, or free.
-        Callers pass block tables tail first, so tails are evicted before their prefixes.
+        Callers release block tables tail first, so tails are evicted before their prefixes.
         Returns how many pages became unreferenced.
         """
         if len(pages) == 0:
             return 0
-        counts = self.ref_count[pages] - 1
-        self.ref_count[pages] = counts
-        zero = pages[counts == 0]
-        released = len(zero)
-        if self.enable_prefix_caching and released:
-            hashed = self._is_hashed[zero]
-            if hashed.any():
-                cached = zero[hashed]
-                prefix_index.lru_push(self._lru, cached)
-                self._num_cached += len(cached)
-                zero = zero[~hashed]
-        if len(zero):
-            self._push_free(zero)
+        caching = self.enable_prefix_caching and self._keys is not None  # no page is hashed before a commit
+        cached = np.empty(len(pages), dtype=np.int64) if caching else None
+        hashed = self._is_hashed if caching else None
+        released, freed = page_ops.release(self._free, self._num_free, self.ref_count, hashed, pages, cached)
+        self._num_free += freed
+        if released > freed:
+            prefix_index.lru_push(self._lru, cached[: released - freed])  # type: ignore[index]
+            self._num_cached += released - freed
         return released
 
     # -- prefix cache -------------------------------------------------------------------------

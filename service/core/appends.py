@@ -130,7 +130,7 @@ class AppendingTables(BlockTables):
     ) -> Extension:
         """_extend() for one sequence in scalar arithmetic: numpy calls on 1-element arrays cost
         about as much as the whole of a prompt's append, so the common case skips them."""
-        token_data = self._token_data([count], [toks])
+        data = self._checked_data(count, toks)
         row, size, alloc = seq.row, self.page_size, self.allocator
         old_len, old_np = int(self.lengths[row]), int(self.num_pages[row])
         new_len = old_len + count
@@ -138,30 +138,32 @@ class AppendingTables(BlockTables):
         grow = new_np - old_np
         cow = old_len % size != 0 and bool(alloc.ref_count[self.tables[row, old_np - 1]] > 1)
         self._check_quota(tenant, grow)
-        if grow + cow > alloc.num_available:
+        if grow + cow > alloc.num_free + alloc.num_cached:
             self.stats.allocation_failures += 1
             raise OutOfPages(grow + cow, alloc.num_available)
         self._ensure_width(new_np)
         # All checks passed: from here on nothing can fail.
         if alloc.enable_prefix_caching and old_len >= (int(self.num_hashed[row]) + 1) * size:
             self._commit_upto(seq, old_len // size)  # earlier appends are written by now
-        pages = alloc.allocate(grow + cow)
         copies = []
         if cow:
+            pages = alloc.allocate(grow + 1)
             src = int(self.tables[row, old_np - 1])
             self.tables[row, old_np - 1] = pages[0]
             copies.append((src, int(pages[0])))
             alloc.release(np.array([src], dtype=np.int64))
-        if grow:
-            self.tables[row, old_np:new_np] = pages[int(cow) :]
+            self.tables[row, old_np:new_np] = pages[1:]
+        else:  # straight into the block table
+            alloc.allocate_into(self.tables[row, old_np:new_np])
         self.lengths[row], self.num_pages[row] = new_len, new_np
         self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + grow
         self.stats.tokens_appended += count
-        if old_len % size or cow:
-            slots = self.row_slots(row, old_len, count)
-        else:  # all new pages: no need to read them back from the table
-            slots = self.page_slots(pages, 0, count)
-        self._record_tokens([row], token_data)
+        slots = self.row_slots(row, old_len, count)
+        if data is None:
+            self.tokens_known[row] = False
+            seq.tokens = None
+        elif seq.tokens is not None:
+            seq.tokens.frombytes(data)
         if data_written:
             self._commit_upto(seq, new_len // size)
         return Extension(slots=slots, offsets=[0, count], copies=copies)
@@ -192,16 +194,22 @@ class AppendingTables(BlockTables):
     def _token_data(num_tokens: list[int], token_lists: list[list[int] | None]) -> list[bytes | None]:
         """Each append's token ids as int64 bytes (None where it has none), after checking them:
         converted before anything changes, so a bad id fails the whole call."""
-        if num_tokens and min(num_tokens) < 1:
-            raise InvalidRequest("num_tokens must be >= 1")
-        if token_lists.count(None) == len(token_lists):
+        if token_lists.count(None) == len(token_lists):  # (list.count runs in C)
+            if num_tokens and min(num_tokens) < 1:
+                AppendingTables._checked_data(min(num_tokens), None)  # raises
             return list(token_lists)  # type: ignore[arg-type]  # all None
-        data: list[bytes | None] = []
-        for count, toks in zip(num_tokens, token_lists):
-            if toks is not None and len(toks) != count:
-                raise InvalidRequest(f"token_ids has {len(toks)} ids for num_tokens={count}")
-            data.append(None if toks is None else checked_token_bytes(toks))
-        return data
+        return [AppendingTables._checked_data(count, toks) for count, toks in zip(num_tokens, token_lists)]
+
+    @staticmethod
+    def _checked_data(count: int, toks: list[int] | None) -> bytes | None:
+        """One append's token ids as int64 bytes (None if it has none), or InvalidRequest."""
+        if count < 1:
+            raise InvalidRequest("num_tokens must be >= 1")
+        if toks is None:
+            return None
+        if len(toks) != count:
+            raise InvalidRequest(f"token_ids has {len(toks)} ids for num_tokens={count}")
+        return checked_token_bytes(toks)
 
     def _record_tokens(self, rows: list[int], token_data: list[bytes | None]) -> None:
         for row, data in zip(rows, token_data):

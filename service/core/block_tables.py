@@ -7,6 +7,7 @@ lut_columns(longest table) or more, so every LUT slice fits.
 
 import numpy as np
 
+from service.core import page_ops
 from service.core.layout import lut_columns
 from service.core.lut import lookup_table, token_slots
 
@@ -22,7 +23,7 @@ class BlockTables:
         self.num_hashed = np.zeros(cap, dtype=np.int64)  # leading pages committed to the prefix cache
         self.tokens_known = np.zeros(cap, dtype=np.bool_)  # every token id appended so far is known
         self._free_rows: list[int] = list(range(cap - 1, -1, -1))
-        self._page_offsets = np.empty(0, dtype=np.int64)  # grown by _offsets_of()
+        self._fits = 16  # rows of this many pages fit the width (see _ensure_width)
 
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -34,46 +35,32 @@ class BlockTables:
             self._free_rows.extend(range(2 * old - 1, old - 1, -1))
         return self._free_rows.pop()
 
-    def _release_row(self, row: int) -> None:
-        self.tables[row, : self.num_pages[row]] = self.sentinel
+    def _release_row(self, row: int, num_pages: int) -> None:
+        """Row `row` back to the free rows, emptied; num_pages: its page count."""
+        self.tables[row, :num_pages] = self.sentinel
         self.lengths[row] = self.num_pages[row] = self.num_hashed[row] = 0
         self._free_rows.append(row)
 
     def _ensure_width(self, max_pages: int) -> None:
+        if max_pages <= self._fits:  # the common case, without computing any width
+            return
         need = lut_columns(max_pages)
         width = self.tables.shape[1]
-        if need <= width:
-            return
-        grown = np.full((self.tables.shape[0], max(need, 2 * width)), self.sentinel, dtype=np.uint32)
-        grown[:, :width] = self.tables
-        self.tables = grown
+        if need > width:
+            grown = np.full((self.tables.shape[0], max(need, 2 * width)), self.sentinel, dtype=np.uint32)
+            grown[:, :width] = self.tables
+            self.tables = grown
+        self._fits = max_pages
 
     def lookup_table(self, rows: np.ndarray) -> np.ndarray:
         """uint32 [len(rows), lut_columns(max pages)]: pages, then the sentinel everywhere else."""
         return lookup_table(self.tables, self.num_pages, rows)
 
     def row_slots(self, row: int, start: int, count: int) -> np.ndarray:
-        """slots_of() for one row (a prompt): a broadcast over the pages it spans, no per-token gather."""
-        size = self.page_size
-        first = start // size
-        span = self.tables[row, first : -(-(start + count) // size)]
-        return self.page_slots(span, start - first * size, count)
-
-    def page_slots(self, pages: np.ndarray, offset: int, count: int) -> np.ndarray:
-        """int64 slots of `count` consecutive positions starting at `offset` in pages[0], running on
-        through the following pages."""
-        size = self.page_size
-        slots = np.repeat(pages.astype(np.int64, copy=False), size)  # in place from here: faster than
-        slots *= size  # a broadcast over rows of `size`
-        slots += self._offsets_of(len(pages))
-        return slots[offset : offset + count]
-
-    def _offsets_of(self, num_pages: int) -> np.ndarray:
-        """0, 1, .., page_size - 1 repeated num_pages times (a view of a cached array)."""
-        need = num_pages * self.page_size
-        if len(self._page_offsets) < need:
-            self._page_offsets = np.tile(np.arange(self.page_size, dtype=np.int64), max(num_pages, 256))
-        return self._page_offsets[:need]
+        """slots_of() for one row (a prompt): one compiled pass over the pages it spans."""
+        slots = np.empty(count, dtype=np.int64)
+        page_ops.page_slots(self.tables[row], start, self.page_size, slots)
+        return slots
 
     def slots_of(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """int64 slots (page * page_size + offset) of positions [starts[i], starts[i] + counts[i])

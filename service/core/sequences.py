@@ -175,8 +175,8 @@ class SequenceTable(AppendingTables):
         if seq.tokens is not None and self.allocator.enable_prefix_caching:
             self._commit_upto(seq, int(self.lengths[row]) // self.page_size)
         num = int(self.num_pages[row])
-        freed = self.allocator.release(self.tables[row, :num][::-1].astype(np.int64))  # tail first
-        self._release_row(row)
+        freed = self.allocator.release(self.tables[row, :num][::-1])  # tail first
+        self._release_row(row, num)
         self._seq_of_row[row] = None
         del self._by_tenant[tenant][seq_id]
         self._num_seqs -= 1
