@@ -1,7 +1,9 @@
 """create_app(settings): builds the pool state once, mounts the routes and the error handlers."""
 
+import inspect
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -16,6 +18,18 @@ from service.metrics import Metrics, RequestMetricsMiddleware
 from service.routes import attend, ipc, pool, sequences, step
 from service.routes import metrics as metrics_route
 from service.state import PoolState
+
+
+def without_opentelemetry() -> dict[str, Any]:
+    """FastAPI(**this): no OpenTelemetry spans, metrics or logs, on FastAPI versions that have them.
+
+    kvpool's telemetry is its Prometheus registry. FastAPI >= 0.165 otherwise asks OpenTelemetry's
+    global providers on every request whether one was configured (~2 % of the server's CPU under
+    `kvpool bench http`), though nothing in the server can configure one.
+    """
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -36,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         summary="A standalone paged KV-cache manager for LLM serving",
         lifespan=lifespan,
+        **without_opentelemetry(),
     )
     app.state.pool = state
     install_error_handlers(app)

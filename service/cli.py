@@ -59,8 +59,17 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from service.shutdown import serve
 
+    # No proxy headers: nothing here reads the client's address (there is no access log), and
+    # uvicorn's X-Forwarded-For middleware would be one more layer on every request.
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, workers=1, log_level=args.log_level, access_log=False, http=http_protocol()
+        app,
+        host=args.host,
+        port=args.port,
+        workers=1,
+        log_level=args.log_level,
+        access_log=False,
+        proxy_headers=False,
+        http=http_protocol(),
     )
     serve(config, app.state.pool, settings.shutdown_grace_s)  # SIGTERM: /readyz 503, drain, exit 0
     return 0
