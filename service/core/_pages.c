@@ -7,15 +7,15 @@
 #include <stdint.h>
 #include <string.h>
 
-/* A buffer whose items have one of the sizes in `sizes` ("4" and/or "8" bytes, signed or unsigned
- * integers as numpy exports them; "1": bool), writable if asked; C-contiguous, or any 1-D view when
- * `strided`; -1 with an error otherwise. */
-static int get_ints(PyObject *obj, Py_buffer *view, int writable, const char *sizes, const char *what) {
-    int strided = strchr(sizes, 's') != NULL;
+/* A 1-D buffer of one of the item types in `types`: "i" int32, "u" uint32, "8" int64, "1" bool (as
+ * numpy exports them, native byte order), writable if asked; C-contiguous, or any stride when `types`
+ * has "s"; -1 with an error otherwise. */
+static int get_ints(PyObject *obj, Py_buffer *view, int writable, const char *types, const char *what) {
+    int strided = strchr(types, 's') != NULL;
     int flags = PyBUF_FORMAT | (strided ? PyBUF_STRIDES : PyBUF_C_CONTIGUOUS) | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0)
         return -1;
-    if (strided && view->ndim != 1) {
+    if (view->ndim != 1) {
         PyErr_Format(PyExc_ValueError, "%s: not a 1-D array", what);
         PyBuffer_Release(view);
         return -1;
@@ -25,15 +25,15 @@ static int get_ints(PyObject *obj, Py_buffer *view, int writable, const char *si
         f++;
     int ok = f != NULL && f[0] != '\0' && f[1] == '\0';
     if (ok && view->itemsize == 4)
-        ok = strchr(sizes, '4') != NULL && strchr("iI", f[0]) != NULL;
+        ok = (strchr(types, 'i') != NULL && f[0] == 'i') || (strchr(types, 'u') != NULL && f[0] == 'I');
     else if (ok && view->itemsize == 8)
-        ok = strchr(sizes, '8') != NULL && strchr("lqLQ", f[0]) != NULL;
+        ok = strchr(types, '8') != NULL && (f[0] == 'l' || f[0] == 'q');
     else if (ok && view->itemsize == 1)
-        ok = strchr(sizes, '1') != NULL && f[0] == '?';
+        ok = strchr(types, '1') != NULL && f[0] == '?';
     else
         ok = 0;
     if (!ok) {
-        PyErr_Format(PyExc_ValueError, "%s: not a C-contiguous array of the expected integer type", what);
+        PyErr_Format(PyExc_ValueError, "%s: not an array of the expected integer type", what);
         PyBuffer_Release(view);
         return -1;
     }
@@ -75,8 +75,8 @@ static PyObject *py_pop(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer free = {0}, ref = {0}, out = {0};
     Py_buffer *views[] = {&free, &ref, &out};
     PyObject *result = NULL;
-    if (get_ints(free_obj, &free, 0, "8", "free") < 0 || get_ints(ref_obj, &ref, 1, "4", "ref_count") < 0 ||
-        get_ints(out_obj, &out, 1, "48", "out") < 0)
+    if (get_ints(free_obj, &free, 0, "8", "free") < 0 || get_ints(ref_obj, &ref, 1, "i", "ref_count") < 0 ||
+        get_ints(out_obj, &out, 1, "u8", "out") < 0)
         goto done;
     Py_ssize_t num = out.len / out.itemsize, num_pages = ref.len / 4;
     if (!(0 <= num && num <= top && top <= free.len / 8)) {
@@ -119,8 +119,8 @@ static PyObject *py_release(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer *views[] = {&free, &ref, &hashed, &pages, &cached};
     PyObject *result = NULL;
     int caching = hashed_obj != Py_None && cached_obj != Py_None;
-    if (get_ints(free_obj, &free, 1, "8", "free") < 0 || get_ints(ref_obj, &ref, 1, "4", "ref_count") < 0 ||
-        get_ints(pages_obj, &pages, 0, "48s", "pages") < 0 ||
+    if (get_ints(free_obj, &free, 1, "8", "free") < 0 || get_ints(ref_obj, &ref, 1, "i", "ref_count") < 0 ||
+        get_ints(pages_obj, &pages, 0, "u8s", "pages") < 0 ||
         (caching && (get_ints(hashed_obj, &hashed, 0, "1", "is_hashed") < 0 ||
                      get_ints(cached_obj, &cached, 1, "8", "cached_out") < 0)))
         goto done;
@@ -136,16 +136,29 @@ static PyObject *py_release(PyObject *Py_UNUSED(self), PyObject *args) {
             PyErr_SetString(PyExc_IndexError, "page out of range");
             goto done;
         }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t page = page_at(&pages, i);
-        if (refs[page] < 1) {
-            PyErr_SetString(PyExc_ValueError, "releasing a page that has no reference");
-            goto done;
-        }
-        if (refs[page] == 1 && caching && is_hashed[page])
+    /* Each page's count is negated while it is checked, so a page given twice shows up as a negative
+     * count; the counts are restored before anything else happens. */
+    Py_ssize_t checked = 0;
+    const char *problem = NULL;
+    for (; checked < n && problem == NULL; checked++) {
+        int64_t page = page_at(&pages, checked);
+        if (refs[page] < 0)
+            problem = "a page is given twice";
+        else if (refs[page] == 0)
+            problem = "releasing a page that has no reference";
+        else if (refs[page] == 1 && caching && is_hashed[page])
             to_cache++;
         else if (refs[page] == 1)
             to_free++;
+        if (problem == NULL)
+            refs[page] = -refs[page];
+    }
+    for (Py_ssize_t i = 0; i < checked; i++) /* the pages negated above are distinct */
+        if (refs[page_at(&pages, i)] < 0)
+            refs[page_at(&pages, i)] = -refs[page_at(&pages, i)];
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        goto done;
     }
     if (top + to_free > free.len / 8 || (caching && to_cache > cached.len / 8)) {
         PyErr_SetString(PyExc_ValueError, "no room for the released pages");
@@ -180,10 +193,13 @@ static PyObject *py_page_slots(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer pages = {0}, out = {0};
     Py_buffer *views[] = {&pages, &out};
     PyObject *result = NULL;
-    if (get_ints(pages_obj, &pages, 0, "48s", "pages") < 0 || get_ints(out_obj, &out, 1, "8", "out") < 0)
+    if (get_ints(pages_obj, &pages, 0, "u8s", "pages") < 0 || get_ints(out_obj, &out, 1, "8", "out") < 0)
         goto done;
     Py_ssize_t count = out.len / 8, num = pages.len / pages.itemsize;
-    if (size <= 0 || offset < 0 || (count && (offset + count - 1) / size >= num)) {
+    /* The last position's page, offset / size + (offset % size + count - 1) / size, without overflow. */
+    if (size <= 0 || offset < 0 ||
+        (count && (size_t)(offset / size) + ((size_t)(offset % size) + (size_t)(count - 1)) / (size_t)size >=
+                      (size_t)num)) {
         PyErr_SetString(PyExc_ValueError, "the positions run past the pages given");
         goto done;
     }

@@ -66,18 +66,27 @@ class PageAllocator:
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, num: int) -> np.ndarray:
         """`num` pages with ref_count 1, in a deterministic order; all or nothing."""
-        pages = np.empty(max(int(num), 0), dtype=np.int64)
+        num = int(num)  # counters stay Python ints (a numpy scalar would leak into JSON)
+        if num > self._num_free + self._num_cached:
+            raise OutOfPages(num, self.num_available)
+        pages = np.empty(max(num, 0), dtype=np.int64)
         self.allocate_into(pages)
         return pages
 
     def allocate_into(self, out: np.ndarray) -> None:
-        """allocate(len(out)) written into `out` (int64, or uint32 such as a block-table row slice)."""
+        """allocate(len(out)) written into `out` (1-D, C-contiguous, int64 or uint32: e.g. a slice of a
+        block-table row)."""
         num = len(out)
         if num > self._num_free + self._num_cached:
             raise OutOfPages(num, self.num_available)
         if num == 0:
             return
         if num > self._num_free:
+            # page_ops.pop checks `out` too, but eviction comes first: reject a bad one before it.
+            if out.ndim != 1 or not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError("out must be a writable, C-contiguous 1-D array")
+            if out.dtype not in (np.int64, np.uint32):
+                raise ValueError(f"out must be int64 or uint32, not {out.dtype}")
             self._evict(num - self._num_free)
         page_ops.pop(self._free, self._num_free, self.ref_count, out)
         self._num_free -= num

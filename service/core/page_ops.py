@@ -41,17 +41,21 @@ def release_py(
     cached_out when is_hashed (given with cached_out) marks them, else onto the free stack above
     `top`, pushed so that the first of them is popped next. Returns (unreferenced, pushed free);
     the caller raises its top by the second and links cached_out[:first - second] into its LRU."""
+    caching = is_hashed is not None and cached_out is not None
+    if not 0 <= top <= len(free) or (caching and len(is_hashed) != len(ref_count)):  # type: ignore[arg-type]
+        raise ValueError("free, top, ref_count and is_hashed disagree")
     ids = np.asarray(pages, dtype=np.int64)
     if ((ids < 0) | (ids >= len(ref_count))).any():
         raise IndexError("page out of range")
+    if len(np.unique(ids)) != len(ids):
+        raise ValueError("a page is given twice")
     counts = ref_count[ids] - 1
     if (counts < 0).any():
         raise ValueError("releasing a page that has no reference")
     zero = ids[counts == 0]
-    caching = is_hashed is not None and cached_out is not None
     hashed = is_hashed[zero] if caching else np.zeros(len(zero), dtype=np.bool_)  # type: ignore[index]
     cached, freed = zero[hashed], zero[~hashed]
-    if not 0 <= top <= top + len(freed) <= len(free) or (caching and len(cached) > len(cached_out)):  # type: ignore[arg-type]
+    if top + len(freed) > len(free) or (caching and len(cached) > len(cached_out)):  # type: ignore[arg-type]
         raise ValueError("no room for the released pages")
     ref_count[ids] = counts
     if caching:

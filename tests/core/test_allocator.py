@@ -191,6 +191,32 @@ def test_mixed_eviction_and_free_pages_and_out_of_pages_with_cached_pages() -> N
     assert a.cached_pages() == [0] and counts(a) == (3, 1, 0)
 
 
+def test_allocate_into_a_block_table_row_and_release_it_tail_first() -> None:
+    a = PageAllocator(6)
+    row = np.full(8, 6, dtype=np.uint32)  # a block-table row: the sentinel past its pages
+    a.allocate_into(row[2:5])
+    assert row.tolist() == [6, 6, 0, 1, 2, 6, 6, 6] and a.ref_count.tolist() == [1, 1, 1, 0, 0, 0]
+    assert a.release(row[2:5][::-1]) == 3  # tail first, as free() does: page 2 is popped next
+    assert counts(a) == (0, 0, 6) and a.allocate(4).tolist() == [2, 1, 0, 3]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [np.empty(4, dtype=np.int64)[::2], np.empty(2, dtype=np.int32), np.empty((2, 1), dtype=np.int64)],
+    ids=["strided", "int32", "2-D"],
+)
+def test_allocate_into_a_bad_array_evicts_nothing(bad: np.ndarray) -> None:
+    a = PageAllocator(2)
+    a.allocate(2)
+    commit_tokens(a, 0, [1])
+    commit_tokens(a, 1, [2])
+    a.release(pages(0, 1))
+    before = (a.ref_count.tolist(), counts(a), a.cached_pages(), future_pages(a), a.num_evictions)
+    with pytest.raises(ValueError):
+        a.allocate_into(bad)  # both pages would have to be evicted first
+    assert (a.ref_count.tolist(), counts(a), a.cached_pages(), future_pages(a), a.num_evictions) == before
+
+
 def test_hashes_chain_the_parent_hash_and_the_tenant_salt() -> None:
     root = hashlib.sha256(b"kvpool-prefix-v1\x00tenant-a").digest()
     assert root_hash("tenant-a") == root and root_hash("tenant-b") != root

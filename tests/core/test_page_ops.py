@@ -1,6 +1,7 @@
 """The compiled allocation loops (service/core/_pages.c) against their Python definitions (page_ops.py):
 the same results, the same arrays afterwards, and the same error (with nothing changed) on bad input."""
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -62,46 +63,69 @@ def test_pop_equals_the_definition(stack: Any, num: int, dtype: Any, top_shift: 
         assert (ref_after[out_after.astype(np.int64)] == 1).all()
 
 
-@given(
-    st.lists(st.integers(0, 3), min_size=NUM_PAGES, max_size=NUM_PAGES),
-    st.lists(st.booleans(), min_size=NUM_PAGES, max_size=NUM_PAGES),
-    st.permutations(range(NUM_PAGES + 1)),
-    st.integers(0, NUM_PAGES),
-    st.booleans(),
-    st.sampled_from(["int64", "uint32 view", "reversed"]),
-)
-def test_release_equals_the_definition(
-    refs: list[int], hashed: list[bool], order: list[int], num: int, caching: bool, kind: str
-) -> None:
-    ref_count = np.array(refs, dtype=np.int32)
-    # The free stack holds the unreferenced pages; page 12 (out of range) may come up in `pages`.
+@st.composite
+def releases(draw: st.DrawFn) -> dict[str, Any]:
+    """A release call: ref counts, hashed flags, the free stack of the unreferenced pages, and pages to
+    release (page 12 is out of range; a page may come twice), sometimes with a wrong top, a free stack
+    with no room or a short cached_out."""
+    refs = draw(st.lists(st.integers(0, 3), min_size=NUM_PAGES, max_size=NUM_PAGES))
     unreferenced = [p for p in range(NUM_PAGES) if refs[p] == 0]
-    free = np.array(unreferenced + [-1] * (NUM_PAGES - len(unreferenced)), dtype=np.int64)
-    is_hashed = np.array(hashed, dtype=np.bool_)
-    ids = order[:num]
+    ids = draw(st.permutations(range(NUM_PAGES + 1)))[: draw(st.integers(0, NUM_PAGES))]
+    if ids and draw(st.booleans()):
+        ids.insert(draw(st.integers(0, len(ids))), draw(st.sampled_from(ids)))
+    room = draw(st.sampled_from([NUM_PAGES, len(unreferenced)]))  # the second: a full stack
+    return {
+        "refs": refs,
+        "hashed": draw(st.lists(st.booleans(), min_size=NUM_PAGES, max_size=NUM_PAGES)),
+        "unreferenced": unreferenced,
+        "free": np.array(unreferenced + [-1] * (room - len(unreferenced)), dtype=np.int64),
+        "top": len(unreferenced) + draw(st.sampled_from([0, 0, 0, -1 - len(unreferenced), NUM_PAGES])),
+        "ids": ids,
+        "cached_len": draw(st.sampled_from([len(ids), max(len(ids) - 1, 0)])),
+        "caching": draw(st.sampled_from(["on", "off", "is_hashed only"])),
+        "kind": draw(st.sampled_from(["int64", "uint32 view", "reversed", "strided int64"])),
+    }
+
+
+@given(releases())
+def test_release_equals_the_definition(r: dict[str, Any]) -> None:
+    refs, hashed, ids, num = r["refs"], r["hashed"], r["ids"], len(r["ids"])
     table = np.array([[*ids, 7, 7]], dtype=np.uint32)  # a block-table row, as free() passes it
     pages = {
         "int64": np.array(ids, dtype=np.int64),
         "uint32 view": table[0, :num],
         "reversed": table[0, :num][::-1],
-    }[kind]
-    cached_out = np.full(max(num, 1), -5, dtype=np.int64)
-    result, (free_after, ref_after, _, cached_after) = run_both(
-        "release",
-        [free, ref_count, is_hashed, cached_out],
-        lambda fn, a: fn(a[0], len(unreferenced), a[1], a[2] if caching else None, pages, a[3] if caching else None),
-    )
-    if result[0] != "ok":
-        return
+        "strided int64": np.array([x for p in ids for x in (p, -9)], dtype=np.int64)[::2],
+    }[r["kind"]]
+    caching = r["caching"] == "on"
+
+    def call(fn: Callable[..., Any], a: list[np.ndarray]) -> Any:
+        hashed_arg = a[2] if r["caching"] != "off" else None  # without cached_out: no caching
+        return fn(a[0], r["top"], a[1], hashed_arg, pages, a[3] if caching else None)
+
+    cached_out = np.full(r["cached_len"], -5, dtype=np.int64)
+    arrays = [r["free"], np.array(refs, dtype=np.int32), np.array(hashed, dtype=np.bool_), cached_out]
+    result, (free_after, ref_after, _, cached_after) = run_both("release", arrays, call)
     given_order = [int(p) for p in pages]
-    released_now = [p for p in given_order if refs[p] == 1]
+    released_now = [p for p in given_order if p < NUM_PAGES and refs[p] == 1]
     to_cache = [p for p in released_now if caching and hashed[p]]
     to_free = [p for p in released_now if p not in to_cache]
+    valid = (
+        r["top"] == len(r["unreferenced"])
+        and NUM_PAGES not in given_order
+        and len(set(given_order)) == num
+        and all(refs[p] for p in given_order)
+        and len(r["unreferenced"]) + len(to_free) <= len(r["free"])
+        and len(to_cache) <= r["cached_len"]
+    )
+    assert (result[0] == "ok") == valid
+    if not valid:
+        return
     assert result[1] == (len(released_now), len(to_free))
     assert cached_after[: len(to_cache)].tolist() == to_cache
-    top = len(unreferenced) + len(to_free)
-    assert free_after[len(unreferenced) : top][::-1].tolist() == to_free  # the first released on top
-    assert ref_after.tolist() == [r - (p in given_order) for p, r in enumerate(refs)]
+    top = r["top"] + len(to_free)
+    assert free_after[r["top"] : top][::-1].tolist() == to_free  # the first released on top
+    assert ref_after.tolist() == [n - (p in given_order) for p, n in enumerate(refs)]
 
 
 def test_release_rejects_a_page_without_references_and_changes_nothing() -> None:
@@ -112,6 +136,19 @@ def test_release_rejects_a_page_without_references_and_changes_nothing() -> None
         with pytest.raises(ValueError, match="no reference"):
             fn(free, 1, refs, None, np.array([0, 2], dtype=np.int64), None)
         assert refs.tolist() == [1, 1, 0]
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_release_rejects_a_page_given_twice_and_writes_nowhere(count: int) -> None:
+    """A page twice in `pages` would reach zero references twice: the free stack must not move."""
+    for fn in (native.release, page_ops.release_py):
+        big = np.array([111, -1, -1, -1, -1], dtype=np.int64)  # free = big[1:], top 0
+        refs = np.array([count, 0, 0], dtype=np.int32)
+        cached = np.full(2, -5, dtype=np.int64)
+        with pytest.raises(ValueError, match="twice"):
+            fn(big[1:], 0, refs, np.ones(3, dtype=np.bool_), np.array([0, 0], dtype=np.int64), cached)
+        assert big.tolist() == [111, -1, -1, -1, -1] and refs.tolist() == [count, 0, 0]
+        assert cached.tolist() == [-5, -5]
 
 
 @given(
@@ -140,3 +177,40 @@ def test_page_slots_of_a_long_prompt_across_partial_pages() -> None:
     out = np.full(9, -1, dtype=np.int64)
     native.page_slots(pages, 3, 4, out)  # positions 3..11 of pages of 4: the tail of 9, all of 3, of 7
     assert out.tolist() == [39, 12, 13, 14, 15, 28, 29, 30, 31]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.zeros((2, 2), dtype=np.int64),  # 2-D
+        np.zeros(4, dtype=np.int32),  # not int64 / uint32
+        np.zeros(4, dtype=np.float64),
+        np.zeros(8, dtype=np.int64)[::2],  # not contiguous
+    ],
+)
+def test_the_compiled_loops_reject_arrays_of_the_wrong_kind_and_change_nothing(bad: np.ndarray) -> None:
+    free, ref_count = np.arange(6, dtype=np.int64), np.zeros(6, dtype=np.int32)
+    with pytest.raises(ValueError):
+        native.pop(free, 6, ref_count, bad)
+    with pytest.raises(ValueError):
+        native.page_slots(np.arange(4, dtype=np.uint32), 0, 2, bad)
+    read_only = np.zeros(4, dtype=np.int64)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError):
+        native.pop(free, 6, ref_count, read_only)
+    assert ref_count.tolist() == [0] * 6 and free.tolist() == list(range(6))
+
+
+@pytest.mark.parametrize("offset", [sys.maxsize, sys.maxsize - 1, sys.maxsize // 2])
+def test_page_slots_rejects_positions_past_the_pages_without_overflowing(offset: int) -> None:
+    out = np.full(3, -1, dtype=np.int64)
+    with pytest.raises(ValueError, match="run past"):
+        native.page_slots(np.array([1, 2], dtype=np.uint32), offset, 3, out)
+    assert out.tolist() == [-1, -1, -1]
+
+
+@pytest.mark.parametrize("size", [0, -4])
+def test_page_slots_rejects_a_page_size_below_one(size: int) -> None:
+    for fn in (native.page_slots, page_ops.page_slots_py):
+        with pytest.raises(ValueError):
+            fn(np.array([1, 2], dtype=np.uint32), 0, size, np.empty(2, dtype=np.int64))
