@@ -159,11 +159,7 @@ class AppendingTables(BlockTables):
         self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + grow
         self.stats.tokens_appended += count
         slots = self.row_slots(row, old_len, count)
-        if data is None:
-            self.tokens_known[row] = False
-            seq.tokens = None
-        elif seq.tokens is not None:
-            seq.tokens.frombytes(data)
+        self._record_one(seq, data)
         if data_written:
             self._commit_upto(seq, new_len // size)
         return Extension(slots=slots, offsets=[0, count], copies=copies)
@@ -195,16 +191,20 @@ class AppendingTables(BlockTables):
         """Each append's token ids as int64 bytes (None where it has none), after checking them:
         converted before anything changes, so a bad id fails the whole call."""
         if token_lists.count(None) == len(token_lists):  # (list.count runs in C)
-            if num_tokens and min(num_tokens) < 1:
-                AppendingTables._checked_data(min(num_tokens), None)  # raises
+            if num_tokens:
+                AppendingTables._check_count(min(num_tokens))
             return list(token_lists)  # type: ignore[arg-type]  # all None
         return [AppendingTables._checked_data(count, toks) for count, toks in zip(num_tokens, token_lists)]
 
     @staticmethod
-    def _checked_data(count: int, toks: list[int] | None) -> bytes | None:
-        """One append's token ids as int64 bytes (None if it has none), or InvalidRequest."""
+    def _check_count(count: int) -> None:
         if count < 1:
             raise InvalidRequest("num_tokens must be >= 1")
+
+    @staticmethod
+    def _checked_data(count: int, toks: list[int] | None) -> bytes | None:
+        """One append's token ids as int64 bytes (None if it has none), or InvalidRequest."""
+        AppendingTables._check_count(count)
         if toks is None:
             return None
         if len(toks) != count:
@@ -215,11 +215,15 @@ class AppendingTables(BlockTables):
         for row, data in zip(rows, token_data):
             seq = self._seq_of_row[row]
             assert seq is not None
-            if data is None:
-                self.tokens_known[row] = False
-                seq.tokens = None
-            elif seq.tokens is not None:
-                seq.tokens.frombytes(data)
+            self._record_one(seq, data)
+
+    def _record_one(self, seq: Sequence, data: bytes | None) -> None:
+        """Keep the appended token ids (int64 bytes); None: they are unknown from now on."""
+        if data is None:
+            self.tokens_known[seq.row] = False
+            seq.tokens = None
+        elif seq.tokens is not None:
+            seq.tokens.frombytes(data)
 
     def _commit_pending(self, rows: np.ndarray, written: np.ndarray) -> None:
         """Enter into the prefix cache every full page below `written` tokens not yet hashed."""

@@ -67,9 +67,9 @@ def release_py(
 def page_slots_py(pages: np.ndarray, offset: int, page_size: int, out: np.ndarray) -> None:
     """out[i] = the slot (page * page_size + offset within it) of position offset + i, counted from
     the start of pages[0] and running on through the following pages."""
-    pos = np.arange(offset, offset + len(out), dtype=np.int64)
     if page_size <= 0 or offset < 0 or (len(out) and (offset + len(out) - 1) // page_size >= len(pages)):
         raise ValueError("the positions run past the pages given")
+    pos = np.arange(offset, offset + len(out), dtype=np.int64)
     out[:] = np.asarray(pages, dtype=np.int64)[pos // page_size] * page_size + pos % page_size
 
 

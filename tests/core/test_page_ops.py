@@ -203,10 +203,11 @@ def test_the_compiled_loops_reject_arrays_of_the_wrong_kind_and_change_nothing(b
 
 @pytest.mark.parametrize("offset", [sys.maxsize, sys.maxsize - 1, sys.maxsize // 2])
 def test_page_slots_rejects_positions_past_the_pages_without_overflowing(offset: int) -> None:
-    out = np.full(3, -1, dtype=np.int64)
-    with pytest.raises(ValueError, match="run past"):
-        native.page_slots(np.array([1, 2], dtype=np.uint32), offset, 3, out)
-    assert out.tolist() == [-1, -1, -1]
+    for fn in (native.page_slots, page_ops.page_slots_py):
+        out = np.full(3, -1, dtype=np.int64)
+        with pytest.raises(ValueError, match="run past"):
+            fn(np.array([1, 2], dtype=np.uint32), offset, 3, out)
+        assert out.tolist() == [-1, -1, -1]
 
 
 @pytest.mark.parametrize("size", [0, -4])
