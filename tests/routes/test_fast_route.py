@@ -198,6 +198,29 @@ def test_the_hot_routes_have_a_fast_path() -> None:
         assert FastPath.of(routes[key]) is not None, key
 
 
+def test_the_dispatch_skips_a_route_only_where_its_matches_finds_nothing() -> None:
+    """The path regex each table entry keeps rejects exactly the paths its route's `matches` answers
+    Match.NONE for, and every API route has one (so the scan skips without calling `matches`)."""
+    from starlette.routing import Match
+
+    app = create_app(Settings(**SETTINGS))  # type: ignore[arg-type]
+    dispatch = app.router.middleware_stack
+    assert isinstance(dispatch, RouteDispatch)
+    table = dispatch.table()
+    api = [(regex, context) for regex, context, _ in table if context is not None and context.app is not None]
+    assert len(api) >= len(HOT_ROUTES) and all(regex is not None for regex, _ in api)
+    paths = {path for _, path in ROUTER_ANSWERS} | {p.replace("{seq_id}", "a") for _, p in HOT_ROUTES}
+    paths |= {"/v1/sequences/a/b/append", "/v1/sequences//append", "/v1/attendx", "/"}
+    for regex, context, owner in table:
+        if regex is None:
+            continue
+        for path in sorted(paths):
+            for method in ("GET", "POST", "DELETE"):
+                scope = {"type": "http", "method": method, "path": path, "root_path": "", "path_params": {}}
+                found = (context or owner).matches(scope)[0]
+                assert (regex.match(path) is None) == (found == Match.NONE), (path, method, regex.pattern)
+
+
 def test_routes_the_fast_path_does_not_handle_keep_fastapis_handler() -> None:
     async def with_query(n: int) -> Response:
         """A query parameter."""
