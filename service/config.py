@@ -23,8 +23,10 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn"] = "float32"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: CUDA when present)")
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="auto: triton on CUDA, the torch reference on the CPU"
+    attention_backend: Literal["auto", "triton", "cpu", "torch"] = Field(
+        "auto",
+        description="auto: triton on CUDA, cpu on the CPU (decode of float32 pools compiled, the rest "
+        "through the torch reference); torch: the torch reference only",
     )
     # FP8 pools (dtype float8_e4m3fn): one scale per token, head and group of g channels.
     scale_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -3,8 +3,9 @@
 The core hands out slots and pages; every write into `blocks` and every attention call goes
 through here, under one lock, so requests never race on the pool.
 
-Backends: "torch" runs the references in kernels/reference.py; "triton" runs the kernels in
-kernels/ (store, decode when every sequence has one query, prefill otherwise). On the CPU the
+Backends: "torch" runs the references in kernels/reference.py; "cpu" (auto on a CPU pool) the same,
+but a decode batch of a float32 pool in compiled C (kernels/cpu_decode.py); "triton" runs the kernels
+in kernels/ (store, decode when every sequence has one query, prefill otherwise). On the CPU the
 triton backend runs them in Triton's interpreter (slow, but the same code path as on a GPU).
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from kernels.batched_reference import paged_attention_batched, store_kv_direct
+from kernels.cpu_decode import paged_attention_cpu
 from service.engine_formats import format_pages
 from service.storage import Storage
 
@@ -26,7 +28,7 @@ class Engine:
         self.storage = storage
         self.blocks = storage.blocks
         self.device = storage.device
-        self.backend = "torch" if backend == "auto" and self.device.type == "cpu" else backend
+        self.backend = "cpu" if backend == "auto" and self.device.type == "cpu" else backend
         if self.backend == "auto":
             self.backend = "triton"
         self.lock = threading.Lock()
@@ -97,7 +99,8 @@ class Engine:
                 return self.formats.attend(q.to(dev), layer, lut, cache_lengths, qsl, **options)
             if self._decode is not None and self._prefill is not None:
                 return self._attend_triton(q, layer, lut, cache_lengths, qsl, options)
-            out = paged_attention_batched(q.to(dev), self.blocks, layer, lut, cache_lengths, qsl, **options)
+            attention = paged_attention_cpu if self.backend == "cpu" else paged_attention_batched
+            out = attention(q.to(dev), self.blocks, layer, lut, cache_lengths, qsl, **options)
         assert isinstance(out, torch.Tensor)
         return out
 

@@ -144,7 +144,7 @@ class PoolOut(BaseModel):
     num_sequences: int
     sentinel: int
     instance_id: str
-    attention_backend: str = Field(description="the backend attention runs on: triton or torch (resolved from auto)")
+    attention_backend: str = Field(description="the backend attention runs on: triton, cpu or torch (from auto)")
     scale_dtype: str | None = Field(None, description="FP8 pools: dtype of the per-group scales")
     quant_granularity: int | None = Field(None, description="FP8 pools: channels per scale")
     mla: bool = False
