@@ -10,18 +10,19 @@
 #include <stdint.h>
 #include <string.h>
 
-/* A C-contiguous buffer of `ndim` dimensions with items of `itemsize` bytes whose format is one of
- * `formats` (after a byte-order prefix); -1 with a ValueError otherwise. */
-static int get_array(PyObject *obj, Py_buffer *view, int writable, int ndim, Py_ssize_t itemsize,
-                     const char *formats, const char *what) {
+/* A C-contiguous buffer of `ndim` dimensions whose item format (after a byte-order prefix) is one of
+ * `formats`: 'f' float32, 'l'/'q' int64, 'I' uint32; -1 with a ValueError otherwise. */
+static int get_array(PyObject *obj, Py_buffer *view, int writable, int ndim, const char *formats, const char *what) {
     int flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0)
         return -1;
     const char *f = view->format;
     if (f != NULL && (f[0] == '@' || f[0] == '=' || f[0] == '<'))
         f++;
-    int ok = f != NULL && f[0] != '\0' && f[1] == '\0' && strchr(formats, f[0]) != NULL;
-    if (!ok || view->ndim != ndim || view->itemsize != itemsize) {
+    int ok = f != NULL && f[0] != '\0' && f[1] == '\0' && strchr(formats, f[0]) != NULL && view->ndim == ndim;
+    if (ok)
+        ok = view->itemsize == (f[0] == 'l' || f[0] == 'q' ? 8 : 4);
+    if (!ok) {
         PyErr_Format(PyExc_ValueError, "%s: not a C-contiguous %d-D array of the expected type", what, ndim);
         PyBuffer_Release(view);
         view->obj = NULL;
@@ -30,13 +31,17 @@ static int get_array(PyObject *obj, Py_buffer *view, int writable, int ndim, Py_
     return 0;
 }
 
+#define CHUNK 32 /* output channels summed at once: 8 SSE registers */
+
 static inline float dot(const float *restrict a, const float *restrict b, Py_ssize_t n) {
-    /* Eight independent sums: the compiler keeps them in one vector register. */
-    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    /* Sixteen independent sums: four vector registers, so the adds do not wait on each other. */
+    float s[16] = {0};
     Py_ssize_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        for (int j = 0; j < 8; j++)
+    for (; d + 16 <= n; d += 16)
+        for (int j = 0; j < 16; j++)
             s[j] += a[d + j] * b[d + j];
+    for (int j = 0; j < 8; j++)
+        s[j] += s[j + 8];
     float total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
     for (; d < n; d++)
         total += a[d] * b[d];
@@ -47,6 +52,61 @@ static inline float dot(const float *restrict a, const float *restrict b, Py_ssi
 static inline int64_t page_at(const Py_buffer *lut, Py_ssize_t b, int64_t col) {
     const Py_ssize_t i = b * lut->shape[1] + col;
     return lut->itemsize == 8 ? ((const int64_t *)lut->buf)[i] : (int64_t)((const uint32_t *)lut->buf)[i];
+}
+
+/* Attention of the `group` query heads that read K/V head h (q rows qv, out rows o) at position p over
+ * keys first..p of sequence b: each K and V row is loaded once for the whole group. On x86-64 Linux
+ * it is compiled twice, for AVX2 + FMA and for the baseline, and the loader picks the one the CPU runs. */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
+__attribute__((target_clones("avx2,fma", "default")))
+#endif
+static void attend_group(const float *pool, const Py_buffer *lut, Py_ssize_t b, Py_ssize_t h, int64_t p, int64_t first,
+                         const float *qv, float *o, float *scores, Py_ssize_t group, Py_ssize_t head_dim,
+                         Py_ssize_t row, Py_ssize_t kv_stride, Py_ssize_t num_layers, Py_ssize_t layer,
+                         Py_ssize_t page_size, float scale, float softcap) {
+    const Py_ssize_t n = (Py_ssize_t)(p + 1 - first); /* keys seen, scores[g * n + t - first] */
+    for (int64_t t = first; t <= p;) { /* page by page: one division and one table read a page */
+        const int64_t col = t / page_size, end = (col + 1) * page_size < p + 1 ? (col + 1) * page_size : p + 1;
+        const float *k = pool + (page_at(lut, b, col) * 2 * num_layers + layer) * page_size * row +
+                         (t - col * page_size) * row + h * head_dim;
+        for (; t < end; t++, k += row)
+            for (Py_ssize_t g = 0; g < group; g++) {
+                float sc = dot(qv + g * head_dim, k, head_dim) * scale;
+                scores[g * n + t - first] = softcap > 0 ? softcap * tanhf(sc / softcap) : sc;
+            }
+    }
+    for (Py_ssize_t g = 0; g < group; g++) { /* softmax of each query head's row, normalised */
+        float *row_g = scores + g * n, top = -INFINITY, total = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            top = row_g[i] > top ? row_g[i] : top;
+        for (Py_ssize_t i = 0; i < n; i++)
+            total += row_g[i] = expf(row_g[i] - top);
+        for (Py_ssize_t i = 0; i < n; i++)
+            row_g[i] /= total;
+    }
+    /* out = weights . V, CHUNK channels at a time, summed over every key in registers: a sum kept
+     * in `o` across keys would wait on its own store at every key. */
+    for (Py_ssize_t d0 = 0; d0 < head_dim; d0 += CHUNK)
+        for (Py_ssize_t g = 0; g < group; g++) {
+            const Py_ssize_t width = head_dim - d0 < CHUNK ? head_dim - d0 : CHUNK;
+            float acc[CHUNK] = {0};
+            const float *w = scores + g * n - first;
+            for (int64_t t = first; t <= p;) {
+                const int64_t col = t / page_size,
+                              end = (col + 1) * page_size < p + 1 ? (col + 1) * page_size : p + 1;
+                const float *v = pool + (page_at(lut, b, col) * 2 * num_layers + layer) * page_size * row +
+                                 kv_stride + (t - col * page_size) * row + h * head_dim + d0;
+                if (width == CHUNK)
+                    for (; t < end; t++, v += row)
+                        for (int d = 0; d < CHUNK; d++)
+                            acc[d] += w[t] * v[d];
+                else
+                    for (; t < end; t++, v += row)
+                        for (Py_ssize_t d = 0; d < width; d++)
+                            acc[d] += w[t] * v[d];
+            }
+            memcpy(o + g * head_dim + d0, acc, (size_t)width * sizeof(float));
+        }
 }
 
 /* decode(q, blocks, layer, lut, positions, scale, window, softcap, out) -> None
@@ -66,14 +126,10 @@ static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer *views[] = {&q, &blocks, &lut, &pos, &out};
     PyObject *result = NULL;
     float *scores = NULL;
-    if (get_array(q_obj, &q, 0, 3, 4, "f", "q") < 0 || get_array(blocks_obj, &blocks, 0, 6, 4, "f", "blocks") < 0 ||
-        get_array(pos_obj, &pos, 0, 1, 8, "lq", "positions") < 0 || get_array(out_obj, &out, 1, 3, 4, "f", "out") < 0)
+    if (get_array(q_obj, &q, 0, 3, "f", "q") < 0 || get_array(blocks_obj, &blocks, 0, 6, "f", "blocks") < 0 ||
+        get_array(lut_obj, &lut, 0, 2, "lqI", "lut (int64 or uint32)") < 0 ||
+        get_array(pos_obj, &pos, 0, 1, "lq", "positions") < 0 || get_array(out_obj, &out, 1, 3, "f", "out") < 0)
         goto done;
-    if (get_array(lut_obj, &lut, 0, 2, 8, "lq", "lut") < 0) {
-        PyErr_Clear();
-        if (get_array(lut_obj, &lut, 0, 2, 4, "I", "lut (int64 or uint32)") < 0)
-            goto done;
-    }
     const Py_ssize_t batch = q.shape[0], num_q_heads = q.shape[1], head_dim = q.shape[2];
     const Py_ssize_t num_blocks = blocks.shape[0], num_layers = blocks.shape[2], page_size = blocks.shape[3];
     const Py_ssize_t num_kv_heads = blocks.shape[4], cols = lut.shape[1];
@@ -82,15 +138,15 @@ static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "q, blocks, lut, positions and out disagree in shape");
         goto done;
     }
-    if (layer < 0 || layer >= num_layers || window < 0 || page_size < 1) {
-        PyErr_SetString(PyExc_ValueError, "layer, window or page size out of range");
+    if (layer < 0 || layer >= num_layers || window < 0 || page_size < 1 || head_dim < 1) {
+        PyErr_SetString(PyExc_ValueError, "layer, window, page size or head_dim out of range");
         goto done;
     }
     const int64_t *positions = pos.buf;
     Py_ssize_t longest = 0;
     for (Py_ssize_t b = 0; b < batch; b++) {
         int64_t p = positions[b];
-        if (p < 0 || p / page_size >= cols) {
+        if (p < 0 || p == INT64_MAX || p / page_size >= cols) {
             PyErr_Format(PyExc_ValueError, "position %lld of query %zd is outside its lookup table row", (long long)p, b);
             goto done;
         }
@@ -104,55 +160,25 @@ static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
         longest = p + 1 > longest ? p + 1 : longest;
     }
     const Py_ssize_t group = num_q_heads / num_kv_heads;
-    scores = PyMem_Malloc((size_t)group * (size_t)(longest > 0 ? longest : 1) * sizeof(float));
-    if (scores == NULL) {
+    /* One query sees at most `span` keys; group rows of scores, sized without overflow. */
+    const int64_t span = window > 0 && window < longest ? window : (longest > 0 ? longest : 1);
+    if (span > (int64_t)(PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(float) / group) ||
+        (scores = PyMem_Malloc((size_t)group * (size_t)span * sizeof(float))) == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     const Py_ssize_t row = num_kv_heads * head_dim;            /* one token's K (or V) of one layer */
     const Py_ssize_t kv_stride = num_layers * page_size * row; /* K to V within a page */
     const float *pool = blocks.buf;
+    /* The buffers stay exported (torch refuses to resize a tensor with a live numpy view) and the
+     * engine's lock serialises every pool write and attention, so the GIL can go. */
     Py_BEGIN_ALLOW_THREADS;
     for (Py_ssize_t b = 0; b < batch; b++) {
         const int64_t p = positions[b], first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-        const Py_ssize_t n = (Py_ssize_t)(p + 1 - first); /* keys seen, scores[g * n + t - first] */
-        for (Py_ssize_t h = 0; h < num_kv_heads; h++) {
-            /* The group of query heads that read K/V head h: each K and V row is loaded once for all. */
-            const float *qv = (const float *)q.buf + (b * num_q_heads + h * group) * head_dim;
-            float *o = (float *)out.buf + (b * num_q_heads + h * group) * head_dim;
-            for (int64_t t = first; t <= p;) { /* page by page: one division and one table read a page */
-                const int64_t col = t / page_size, end = (col + 1) * page_size < p + 1 ? (col + 1) * page_size : p + 1;
-                const float *k = pool + (page_at(&lut, b, col) * 2 * num_layers + layer) * page_size * row +
-                                 (t - col * page_size) * row + h * head_dim;
-                for (; t < end; t++, k += row)
-                    for (Py_ssize_t g = 0; g < group; g++) {
-                        float sc = dot(qv + g * head_dim, k, head_dim) * (float)scale;
-                        scores[g * n + t - first] = softcap > 0 ? (float)softcap * tanhf(sc / (float)softcap) : sc;
-                    }
-            }
-            for (Py_ssize_t g = 0; g < group; g++) { /* softmax of each query head's row, normalised */
-                float *row_g = scores + g * n, top = -INFINITY, total = 0;
-                for (Py_ssize_t i = 0; i < n; i++)
-                    top = row_g[i] > top ? row_g[i] : top;
-                for (Py_ssize_t i = 0; i < n; i++)
-                    total += row_g[i] = expf(row_g[i] - top);
-                for (Py_ssize_t i = 0; i < n; i++)
-                    row_g[i] /= total;
-            }
-            memset(o, 0, (size_t)(group * head_dim) * sizeof(float));
-            for (int64_t t = first; t <= p;) {
-                const int64_t col = t / page_size, end = (col + 1) * page_size < p + 1 ? (col + 1) * page_size : p + 1;
-                const float *v = pool + (page_at(&lut, b, col) * 2 * num_layers + layer) * page_size * row + kv_stride +
-                                 (t - col * page_size) * row + h * head_dim;
-                for (; t < end; t++, v += row)
-                    for (Py_ssize_t g = 0; g < group; g++) {
-                        const float w = scores[g * n + t - first];
-                        float *restrict og = o + g * head_dim;
-                        for (Py_ssize_t d = 0; d < head_dim; d++)
-                            og[d] += w * v[d];
-                    }
-            }
-        }
+        for (Py_ssize_t h = 0; h < num_kv_heads; h++)
+            attend_group(pool, &lut, b, h, p, first, (const float *)q.buf + (b * num_q_heads + h * group) * head_dim,
+                         (float *)out.buf + (b * num_q_heads + h * group) * head_dim, scores, group, head_dim, row,
+                         kv_stride, num_layers, layer, page_size, (float)scale, (float)softcap);
     }
     Py_END_ALLOW_THREADS;
     result = Py_NewRef(Py_None);

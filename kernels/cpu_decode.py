@@ -21,6 +21,10 @@ except ImportError:  # not built (a source tree used without `pip install`): the
     native = None
 
 
+# A window at least as long as every position is no window; the C side takes a ssize_t.
+WINDOW_CAP = 2**62
+
+
 def compiled_decode_applies(q: torch.Tensor, blocks: torch.Tensor, query_start_loc: torch.Tensor) -> bool:
     """One query per sequence, a contiguous float32 pool of K and V on the CPU, and the module built."""
     batch = query_start_loc.shape[0] - 1
@@ -57,7 +61,7 @@ def paged_decode_compiled(
     if native is None:
         raise RuntimeError("kernels/_cpu_decode.c is not built: run `pip install -e .`")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    qf = q.to(torch.float32).contiguous()
+    qf = q.detach().to(torch.float32).contiguous()
     out = torch.empty_like(qf)
     positions = cache_lengths.to(torch.int64).contiguous().numpy()
     lut = lookup_table if lookup_table.dtype in (torch.int64, torch.uint32) else lookup_table.to(torch.int64)
@@ -68,7 +72,7 @@ def paged_decode_compiled(
         lut.contiguous().numpy(),
         positions,
         float(scale),
-        int(sliding_window or 0),
+        min(int(sliding_window or 0), WINDOW_CAP),
         float(softcap or 0.0),
         out.numpy(),
     )

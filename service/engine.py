@@ -28,15 +28,19 @@ class Engine:
         self.storage = storage
         self.blocks = storage.blocks
         self.device = storage.device
-        self.backend = "cpu" if backend == "auto" and self.device.type == "cpu" else backend
-        if self.backend == "auto":
-            self.backend = "triton"
+        # FP8 (blocks + scales) and MLA (latent) pools have their own store and attention paths, whose
+        # CPU side is the torch reference: the cpu backend's compiled decode is for plain K/V pools.
+        special = storage.scales is not None or storage.mla
+        if backend == "auto":
+            backend = "triton" if self.device.type != "cpu" else "torch" if special else "cpu"
+        if backend == "cpu" and self.device.type != "cpu":
+            raise RuntimeError(f"attention backend 'cpu' runs on a CPU pool, not on {self.device}")
+        self.backend = backend
         self.lock = threading.Lock()
         if self.backend == "triton" and self.device.type == "cpu":
             # Triton reads TRITON_INTERPRET when @triton.jit decorates, so set it before any kernel
             # module is imported: CPU tensors can only run through the interpreter.
             os.environ["TRITON_INTERPRET"] = "1"
-        # FP8 (blocks + scales) and MLA (latent) pools have their own store and attention paths.
         self.formats = format_pages(storage, self.backend)
         self._store: ModuleType | None = None
         self._decode: ModuleType | None = None

@@ -57,3 +57,28 @@ def test_a_cpu_pool_decodes_on_its_backend(
     dense, _ = dense_attention(q, torch.tensor([7, 8]), seqs.keys[1], seqs.values[1])
     assert_close(out, dense, torch.float32, "prefill")
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    "special",
+    [
+        {"dtype": "float8_e4m3fn", "quant_granularity": 16},
+        {"mla": True, "num_kv_heads": 1, "head_dim": 32, "kv_lora_rank": 16},
+    ],
+)
+def test_fp8_and_mla_pools_on_the_cpu_run_their_references_as_backend_torch(special: dict[str, Any]) -> None:
+    storage = Storage(Settings(**{**SETTINGS, **special}))  # type: ignore[arg-type]
+    try:
+        engine = Engine(storage, "auto")
+        assert engine.backend == "torch" and engine.formats is not None
+    finally:
+        storage.close()
+
+
+def test_the_cpu_backend_refuses_a_pool_on_another_device(storage: Storage) -> None:
+    class CudaStorage:  # what Engine reads of a CUDA pool's storage, before touching any tensor
+        blocks, scales, mla = storage.blocks, None, False
+        device = torch.device("cuda", 0)
+
+    with pytest.raises(RuntimeError, match="'cpu' runs on a CPU pool, not on cuda:0"):
+        Engine(CudaStorage(), "cpu")  # type: ignore[arg-type]

@@ -35,3 +35,22 @@ def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str])
     assert "no CUDA device" in capsys.readouterr().out
     assert bench.main(["--interpret-smoke"]) == 0
     assert "prefill max |err|" in capsys.readouterr().out
+
+
+def test_the_cpu_bench_times_both_paths_on_the_same_case(capsys: pytest.CaptureFixture[str]) -> None:
+    from kernels import bench_cpu
+    from kernels.batched_reference import paged_decode_batched
+    from kernels.cpu_decode import paged_decode_compiled
+
+    q, blocks, lut, positions = bench_cpu.decode_case(3, 40, 4, 2, 16)  # 3 pages each, the last one partial
+    num_pages = blocks.shape[0] - 1
+    assert lut.shape == (3, 3 + 16) and (lut[:, 3:] == num_pages).all()
+    assert sorted(lut[:, :3].flatten().tolist()) == list(range(9)) and positions.tolist() == [39] * 3
+    torch.testing.assert_close(
+        paged_decode_compiled(q, blocks, 0, lut, positions), paged_decode_batched(q, blocks, 0, lut, positions)
+    )
+    assert bench_cpu.main(["--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-5:] == ["compiled", "us", "torch", "us", "x"]
+    assert len(lines) == 1 + len(bench_cpu.QUICK_SHAPES)
+    assert all(float(line.split()[-1]) > 0 for line in lines[1:])

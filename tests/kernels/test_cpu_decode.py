@@ -17,8 +17,10 @@ from tests.kernels.paged_data import assert_close, dense_attention, place_sequen
 NUM_KV_HEADS = 2
 LAYER = 1
 
-# (GQA group, page size, head_dim, sliding_window, softcap, scale); head_dim 20: the dot's scalar tail
+# (GQA group, page size, head_dim, sliding_window, softcap, scale); the dot takes 16 channels at a
+# time: head_dim 8 is all scalar tail, 20 one block and a tail
 CASES = [
+    (2, 4, 8, None, None, None),
     (1, 4, 16, None, None, None),
     (2, 16, 64, None, None, None),
     (4, 4, 32, 5, None, 0.3),
@@ -82,10 +84,44 @@ def test_a_16_bit_query_is_computed_in_float32_and_answered_in_its_dtype(q_dtype
     lut = seqs.lookup_table.to(torch.int64)  # type: ignore[attr-defined]
     q16 = q.to(q_dtype)
     got = paged_decode_compiled(q16, blocks, LAYER, lut, cache_lengths)
-    want = paged_attention_ref(q16.float(), blocks, LAYER, lut, cache_lengths, torch.arange(len(lengths) + 1))
     assert got.dtype == q_dtype
+    in_float32 = paged_decode_compiled(q16.float(), blocks, LAYER, lut, cache_lengths)
+    torch.testing.assert_close(got, in_float32.to(q_dtype), atol=0, rtol=0)  # the float32 answer, rounded once
+    want = paged_attention_ref(q16.float(), blocks, LAYER, lut, cache_lengths, torch.arange(len(lengths) + 1))
     assert isinstance(want, torch.Tensor)
-    torch.testing.assert_close(got, want.to(q_dtype), atol=0, rtol=0)
+    torch.testing.assert_close(in_float32, want, atol=2e-5, rtol=2e-5)
+
+
+def test_a_window_longer_than_any_position_is_no_window() -> None:
+    """The schema bounds sliding_window below only: 2**63 must answer as the torch path does."""
+    lengths, blocks, seqs, q, cache_lengths = decode_inputs(2, 4, 16, seed=12)
+    lut = seqs.lookup_table.to(torch.int64)  # type: ignore[attr-defined]
+    query_start_loc = torch.arange(len(lengths) + 1)
+    for window in (2**63, 10**30):
+        got = paged_attention_cpu(q, blocks, LAYER, lut, cache_lengths, query_start_loc, sliding_window=window)
+        want = paged_attention_ref(q, blocks, LAYER, lut, cache_lengths, query_start_loc)
+        assert isinstance(want, torch.Tensor)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_scratch_is_sized_by_the_window_and_never_overflows() -> None:
+    """A query at position 2**42 - 1 with 2**20 query heads (lut and pool of 2**21 entries): with window
+    1 it sees one key (a scratch row of 1 per head); without a window the scratch would need
+    2**62 floats, and the call raises MemoryError instead of a size that wraps around."""
+    native = cpu_decode.native
+    assert native is not None
+    q = torch.randn(1, 2**20, 1).numpy()
+    blocks = torch.zeros(1, 2, 1, 2**21, 1, 1)
+    blocks[0, :, 0, 2**21 - 1] = torch.tensor([[[0.5]], [[3.0]]])  # K, V of the one key seen
+    lut = torch.zeros(1, 2**21, dtype=torch.int64).numpy()
+    positions = torch.tensor([2**42 - 1]).numpy()
+    out = torch.full((1, 2**20, 1), float("nan")).numpy()
+    native.decode(q, blocks.numpy(), 0, lut, positions, 1.0, 1, 0.0, out)
+    assert (out == 3.0).all()  # one visible key: its value, exactly
+    out[:] = float("nan")
+    with pytest.raises(MemoryError):
+        native.decode(q, blocks.numpy(), 0, lut, positions, 1.0, 0, 0.0, out)
+    assert torch.from_numpy(out).isnan().all()
 
 
 def test_one_position_is_its_value_exactly() -> None:
@@ -161,6 +197,17 @@ def test_the_native_call_writes_every_output_element() -> None:
         ({"q": torch.randn(2, 8, 4).numpy().transpose(0, 2, 1)}, ValueError, "not C-contiguous"),
         ({"lut": torch.tensor([[0, 1, 4, 4]]).numpy()}, ValueError, "disagree in shape"),
         ({"lut": torch.tensor([[0, 1], [2, 4]], dtype=torch.int32).numpy()}, ValueError, "int64 or uint32"),
+        ({"lut": torch.tensor([[0, 1, 4, 4, 4, 4], [2, 4, 4, 4, 4, 4]]).numpy()[:, ::2]}, ValueError, "C-contiguous"),
+        ({"positions": torch.tensor([2**63 - 1, 3]).numpy()}, ValueError, "outside its lookup table row"),
+        (
+            {
+                "q": torch.randn(2, 4, 0).numpy(),
+                "blocks": torch.randn(5, 2, 2, 4, 2, 0).numpy(),
+                "out": torch.randn(2, 4, 0).numpy(),
+            },
+            ValueError,
+            "head_dim out of range",
+        ),
         ({"positions": torch.tensor([5, 3], dtype=torch.int32).numpy()}, ValueError, "positions"),
         ({"blocks": torch.randn(5, 3, 2, 4, 2, 8).numpy()}, ValueError, "disagree in shape"),
     ],

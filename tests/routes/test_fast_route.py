@@ -8,6 +8,7 @@ cannot pass by both apps taking the same one, and so are the requests the router
 """
 
 import asyncio
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -201,6 +202,7 @@ def test_the_hot_routes_have_a_fast_path() -> None:
 def test_the_dispatch_skips_a_route_only_where_its_matches_finds_nothing() -> None:
     """The path regex each table entry keeps rejects exactly the paths its route's `matches` answers
     Match.NONE for, and every API route has one (so the scan skips without calling `matches`)."""
+    from starlette._utils import get_route_path
     from starlette.routing import Match
 
     app = create_app(Settings(**SETTINGS))  # type: ignore[arg-type]
@@ -214,11 +216,13 @@ def test_the_dispatch_skips_a_route_only_where_its_matches_finds_nothing() -> No
     for regex, context, owner in table:
         if regex is None:
             continue
-        for path in sorted(paths):
+        for path, root_path in itertools.product(sorted(paths), ("", "/api")):  # also mounted under /api
             for method in ("GET", "POST", "DELETE"):
-                scope = {"type": "http", "method": method, "path": path, "root_path": "", "path_params": {}}
+                scope = {"type": "http", "method": method, "path": root_path + path, "root_path": root_path}
+                scope["path_params"] = {}
                 found = (context or owner).matches(scope)[0]
-                assert (regex.match(path) is None) == (found == Match.NONE), (path, method, regex.pattern)
+                skipped = regex.match(get_route_path(scope)) is None  # what the dispatch tests
+                assert skipped == (found == Match.NONE), (root_path, path, method, regex.pattern)
 
 
 def test_routes_the_fast_path_does_not_handle_keep_fastapis_handler() -> None:
