@@ -133,7 +133,8 @@ static PyObject *py_decode(PyObject *Py_UNUSED(self), PyObject *args) {
     const Py_ssize_t batch = q.shape[0], num_q_heads = q.shape[1], head_dim = q.shape[2];
     const Py_ssize_t num_blocks = blocks.shape[0], num_layers = blocks.shape[2], page_size = blocks.shape[3];
     const Py_ssize_t num_kv_heads = blocks.shape[4], cols = lut.shape[1];
-    if (blocks.shape[1] != 2 || blocks.shape[5] != head_dim || num_kv_heads < 1 || num_q_heads % num_kv_heads ||
+    if (blocks.shape[1] != 2 || blocks.shape[5] != head_dim || num_kv_heads < 1 || num_q_heads < 1 ||
+        num_q_heads % num_kv_heads ||
         lut.shape[0] != batch || pos.shape[0] != batch || memcmp(out.shape, q.shape, 3 * sizeof(Py_ssize_t)) != 0) {
         PyErr_SetString(PyExc_ValueError, "q, blocks, lut, positions and out disagree in shape");
         goto done;

@@ -194,6 +194,7 @@ def test_the_native_call_writes_every_output_element() -> None:
         ({"window": -1}, ValueError, "window"),
         ({"q": torch.randn(2, 4, 8, dtype=torch.float64).numpy()}, ValueError, "q: not a C-contiguous 3-D"),
         ({"q": torch.randn(2, 3, 8).numpy()}, ValueError, "disagree in shape"),  # 3 heads over 2 KV heads
+        ({"q": torch.randn(2, 0, 8).numpy(), "out": torch.randn(2, 0, 8).numpy()}, ValueError, "disagree"),  # no head
         ({"q": torch.randn(2, 8, 4).numpy().transpose(0, 2, 1)}, ValueError, "not C-contiguous"),
         ({"lut": torch.tensor([[0, 1, 4, 4]]).numpy()}, ValueError, "disagree in shape"),
         ({"lut": torch.tensor([[0, 1], [2, 4]], dtype=torch.int32).numpy()}, ValueError, "int64 or uint32"),
