@@ -5,8 +5,12 @@ Every page the kernel must not read (the null page, the unwritten tail of a last
 holds NaN, and the output array starts as NaN, so a stray read or an unwritten element shows.
 """
 
+from typing import Any
+
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from kernels import cpu_decode
 from kernels.batched_reference import paged_attention_batched
@@ -219,3 +223,59 @@ def test_bad_input_raises_and_writes_nothing(change: dict[str, object], error: t
     with pytest.raises(error, match=match):
         cpu_decode.native.decode(*args)
     assert torch.from_numpy(args[-1]).isnan().all()  # type: ignore[arg-type]
+
+
+@st.composite
+def decode_calls(draw: st.DrawFn) -> dict[str, Any]:
+    """A small decode call on random data: GQA, pages, windows, softcap and table types, sometimes with a
+    page id past the pool or a position past the table."""
+    num_kv_heads, page_size, cols = (
+        draw(st.integers(1, 3)),
+        draw(st.sampled_from([1, 2, 4, 16])),
+        draw(st.integers(1, 6)),
+    )
+    batch, num_pages, head_dim = (
+        draw(st.integers(0, 3)),
+        draw(st.integers(1, 8)),
+        draw(st.sampled_from([1, 3, 16, 17, 33])),
+    )
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    bad_page, bad_position = draw(st.booleans()) and draw(st.booleans()), draw(st.booleans()) and draw(st.booleans())
+    positions = torch.randint(0, cols * page_size + bad_position, (batch,), generator=gen)
+    return {
+        "q": torch.randn(batch, num_kv_heads * draw(st.integers(1, 3)), head_dim, generator=gen),
+        "blocks": torch.randn(num_pages + 1, 2, 2, page_size, num_kv_heads, head_dim, generator=gen),
+        "layer": draw(st.integers(0, 1)),
+        "lut": torch.randint(0, num_pages + 1 + bad_page, (batch, cols), generator=gen).to(
+            draw(st.sampled_from([torch.int64, torch.uint32]))
+        ),
+        "positions": positions,
+        "scale": draw(st.sampled_from([None, 0.3])),
+        "sliding_window": draw(st.sampled_from([None, 1, 2, 5])),
+        "softcap": draw(st.sampled_from([None, 1.5])),
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(decode_calls())
+def test_random_calls_match_the_reference_or_raise_and_write_nothing(c: dict[str, Any]) -> None:
+    native = cpu_decode.native
+    assert native is not None
+    out = torch.full_like(c["q"], float("nan"))
+    options = {k: c[k] for k in ("scale", "sliding_window", "softcap")}
+    scale = c["scale"] if c["scale"] is not None else c["q"].shape[-1] ** -0.5
+    args = (c["q"].numpy(), c["blocks"].numpy(), c["layer"], c["lut"].numpy(), c["positions"].numpy(), scale)
+    try:
+        native.decode(*args, c["sliding_window"] or 0, c["softcap"] or 0.0, out.numpy())
+    except (ValueError, IndexError):
+        assert out.isnan().all()  # nothing written
+        page_past = c["lut"].to(torch.int64).max().item() >= c["blocks"].shape[0] if c["lut"].numel() else False
+        position_past = bool((c["positions"] >= c["lut"].shape[1] * c["blocks"].shape[3]).any())
+        assert page_past or position_past  # only bad input is refused
+        return
+    lut = c["lut"].to(torch.int64)
+    want = paged_attention_ref(
+        c["q"], c["blocks"], c["layer"], lut, c["positions"], torch.arange(len(lut) + 1), **options
+    )
+    assert isinstance(want, torch.Tensor)
+    torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
