@@ -15,6 +15,12 @@ import torch
 from kernels.reference import paged_attention_ref, store_kv_ref
 
 
+def one_query_per_sequence(q: torch.Tensor, query_start_loc: torch.Tensor) -> bool:
+    """A decode batch: query_start_loc is 0, 1, ..., B and q has B rows."""
+    batch = query_start_loc.shape[0] - 1
+    return q.shape[0] == batch and query_start_loc.tolist() == list(range(batch + 1))
+
+
 def paged_attention_batched(
     q: torch.Tensor,
     blocks: torch.Tensor,
@@ -28,8 +34,7 @@ def paged_attention_batched(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """paged_attention_ref's result (q: [T, Hq, D] -> [T, Hq, D]); batched when every sequence has one query."""
-    batch = cache_lengths.shape[0]
-    if q.shape[0] != batch or query_start_loc.tolist() != list(range(batch + 1)):
+    if not one_query_per_sequence(q, query_start_loc):
         out = paged_attention_ref(
             q, blocks, layer, lookup_table, cache_lengths, query_start_loc,
             scale=scale, sliding_window=sliding_window, softcap=softcap,

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.batched_reference import paged_attention_batched
+from kernels.batched_reference import one_query_per_sequence, paged_attention_batched
 
 native: ModuleType | None
 try:
@@ -27,7 +27,6 @@ WINDOW_CAP = 2**62
 
 def compiled_decode_applies(q: torch.Tensor, blocks: torch.Tensor, query_start_loc: torch.Tensor) -> bool:
     """One query per sequence, a contiguous float32 pool of K and V on the CPU, and the module built."""
-    batch = query_start_loc.shape[0] - 1
     return (
         native is not None
         and blocks.device.type == "cpu"
@@ -36,9 +35,8 @@ def compiled_decode_applies(q: torch.Tensor, blocks: torch.Tensor, query_start_l
         and blocks.shape[1] == 2
         and blocks.is_contiguous()
         and q.dim() == 3
-        and q.shape[0] == batch
         and q.is_floating_point()
-        and query_start_loc.tolist() == list(range(batch + 1))
+        and one_query_per_sequence(q, query_start_loc)
     )
 
 

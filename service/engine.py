@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels.batched_reference import paged_attention_batched, store_kv_direct
+from kernels.batched_reference import one_query_per_sequence, paged_attention_batched, store_kv_direct
 from kernels.cpu_decode import paged_attention_cpu
 from service.engine_formats import format_pages
 from service.storage import Storage
@@ -119,13 +119,8 @@ class Engine:
     ) -> torch.Tensor:
         """The kernels: decode when every sequence has one query, prefill otherwise (on the device)."""
         assert self._decode is not None and self._prefill is not None
-        batch = cache_lengths.shape[0]
-        # One query per sequence (query_start_loc == 0, 1, ..., B) is a decode step.
-        is_decode = q.shape[0] == batch and bool(
-            torch.equal(query_start_loc.cpu(), torch.arange(batch + 1, dtype=query_start_loc.dtype))
-        )
         qd = q.to(self.device, self.blocks.dtype)  # the kernels take q in the pool's dtype
-        if is_decode:
+        if one_query_per_sequence(q, query_start_loc):  # a decode step
             out = self._decode.paged_decode(qd, self.blocks, layer, lut, cache_lengths, **options)
         else:
             out = self._prefill.paged_prefill(qd, self.blocks, layer, lut, cache_lengths, query_start_loc, **options)

@@ -16,7 +16,7 @@ from kernels import cpu_decode
 from kernels.batched_reference import paged_attention_batched
 from kernels.cpu_decode import compiled_decode_applies, paged_attention_cpu, paged_decode_compiled
 from kernels.reference import paged_attention_ref
-from tests.kernels.paged_data import assert_close, dense_attention, place_sequences
+from tests.kernels.paged_data import PagedSequences, assert_close, dense_attention, place_sequences
 
 NUM_KV_HEADS = 2
 LAYER = 1
@@ -44,7 +44,7 @@ def nan_pool(num_pages: int, page_size: int, head_dim: int) -> torch.Tensor:
 
 def decode_inputs(
     group: int, page_size: int, head_dim: int, seed: int
-) -> tuple[list[int], torch.Tensor, object, torch.Tensor, torch.Tensor]:
+) -> tuple[list[int], torch.Tensor, PagedSequences, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     # Ragged: a first token (position 0), page boundaries either side, and a longer random length.
     lengths = [1, page_size, page_size + 1, 2 * page_size + 3, int(torch.randint(30, 90, (1,), generator=gen))]
@@ -67,7 +67,7 @@ def test_compiled_decode_matches_reference_and_dense(
     lut_dtype: torch.dtype,
 ) -> None:
     lengths, blocks, seqs, q, cache_lengths = decode_inputs(group, page_size, head_dim, seed=page_size + head_dim)
-    lut = seqs.lookup_table.to(lut_dtype)  # type: ignore[attr-defined]
+    lut = seqs.lookup_table.to(lut_dtype)
     options = {"sliding_window": window, "softcap": softcap, "scale": scale}
     query_start_loc = torch.arange(len(lengths) + 1)
     assert compiled_decode_applies(q, blocks, query_start_loc)
@@ -77,7 +77,7 @@ def test_compiled_decode_matches_reference_and_dense(
     assert isinstance(want, torch.Tensor) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     for i, n in enumerate(lengths):
-        keys, values = seqs.keys[i], seqs.values[i]  # type: ignore[attr-defined]
+        keys, values = seqs.keys[i], seqs.values[i]
         dense, _ = dense_attention(q[i : i + 1], torch.tensor([n - 1]), keys, values, **options)
         assert_close(got[i : i + 1], dense, torch.float32, f"sequence {i} (length {n})")
 
@@ -85,7 +85,7 @@ def test_compiled_decode_matches_reference_and_dense(
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 def test_a_16_bit_query_is_computed_in_float32_and_answered_in_its_dtype(q_dtype: torch.dtype) -> None:
     lengths, blocks, seqs, q, cache_lengths = decode_inputs(2, 4, 16, seed=11)
-    lut = seqs.lookup_table.to(torch.int64)  # type: ignore[attr-defined]
+    lut = seqs.lookup_table.to(torch.int64)
     q16 = q.to(q_dtype)
     got = paged_decode_compiled(q16, blocks, LAYER, lut, cache_lengths)
     assert got.dtype == q_dtype
@@ -99,7 +99,7 @@ def test_a_16_bit_query_is_computed_in_float32_and_answered_in_its_dtype(q_dtype
 def test_a_window_longer_than_any_position_is_no_window() -> None:
     """The schema bounds sliding_window below only: 2**63 must answer as the torch path does."""
     lengths, blocks, seqs, q, cache_lengths = decode_inputs(2, 4, 16, seed=12)
-    lut = seqs.lookup_table.to(torch.int64)  # type: ignore[attr-defined]
+    lut = seqs.lookup_table.to(torch.int64)
     query_start_loc = torch.arange(len(lengths) + 1)
     for window in (2**63, 10**30):
         got = paged_attention_cpu(q, blocks, LAYER, lut, cache_lengths, query_start_loc, sliding_window=window)
