@@ -213,7 +213,7 @@ def paged_decode(
 
     The query's own K/V must already be stored (it attends cache_lengths[b] + 1 positions).
     `out`/`lse` may be given to write into; `num_splits` (a power of 2 up to 32), `block_n`,
-    `num_warps` and `num_stages` override the tuned choices (kernels.bench --tune sweeps them).
+    `num_warps` and `num_stages` override the tuned choices (benchmarks.kernels.bench --tune sweeps them).
     """
     num_pages, num_layers, page_size, num_kv_heads, head_dim = check_blocks(blocks)
     check_layer(layer, num_layers)

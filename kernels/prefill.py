@@ -225,7 +225,7 @@ def paged_prefill(
     """q: [T, Hq, D] -> out [T, Hq, D] (q's dtype) [, lse [T, Hq] fp32]; see kernels.reference.paged_attention_ref.
 
     `out`/`lse` may be given to write into; `block_m` (rows = query tokens x GQA group, a power of 2),
-    `block_n`, `num_warps` and `num_stages` override the tuned choices (kernels.bench --tune sweeps them).
+    `block_n`, `num_warps` and `num_stages` override the tuned choices (benchmarks.kernels.bench --tune sweeps them).
     """
     num_pages, num_layers, page_size, num_kv_heads, head_dim = check_blocks(blocks)
     check_layer(layer, num_layers)

@@ -1,9 +1,11 @@
 """`kvpool serve` and `kvpool bench ...`."""
 
 import argparse
+import importlib
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -43,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from service.app import create_app
+    from service.server.app import create_app
 
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
@@ -57,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"kvpool: cannot start: {exc}", file=sys.stderr)
         return 2
-    from service.shutdown import serve
+    from service.server.shutdown import serve
 
     # No proxy headers: nothing here reads the client's address (there is no access log), and
     # uvicorn's X-Forwarded-For middleware would be one more layer on every request.
@@ -79,10 +81,25 @@ def http_protocol() -> Any:
     """uvicorn's httptools protocol writing each response in one send (service/http_protocol.py), when
     httptools is installed; uvicorn's own choice otherwise."""
     try:
-        from service.http_protocol import CoalescingHttpToolsProtocol
+        from service.server.http_protocol import CoalescingHttpToolsProtocol
     except ImportError:
         return "auto"
     return CoalescingHttpToolsProtocol
+
+
+def benchmark(name: str) -> Any:
+    """benchmarks.<name>, imported on demand: the benchmarks live beside the packages in a checkout
+    (an editable install) and are not part of the wheel or the image."""
+    try:
+        return importlib.import_module(f"benchmarks.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", f"benchmarks.{name}"):
+            raise
+    checkout = Path(__file__).resolve().parent.parent
+    if not (checkout / "benchmarks" / f"{name}.py").is_file():
+        raise SystemExit("kvpool bench needs the benchmarks/ folder of a kvpool checkout (pip install -e .)")
+    sys.path.insert(0, str(checkout))
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     alloc = bench_sub.add_parser("alloc", help="allocator throughput and step latency (in process and HTTP)")
     alloc.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    alloc.set_defaults(func=lambda a: __import__("service.bench_alloc", fromlist=["main"]).main(a))
+    alloc.set_defaults(func=lambda a: benchmark("alloc").main(a))
     http = bench_sub.add_parser("http", help="concurrent clients against one server: requests/s, latency, leaks")
     http.add_argument("--url", help="target this server instead of starting one (e.g. http://127.0.0.1:8000)")
     http.add_argument("--clients", type=int, default=32)
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     http.add_argument("--num-pages", type=int, default=1024, help="pool size of the server this command starts")
     http.add_argument("--seed", type=int, default=0)
     http.add_argument("--client", choices=["raw", "httpx"], default="raw", help="raw: keep-alive HTTP/1.1 on asyncio")
-    http.set_defaults(func=lambda a: __import__("service.bench_http", fromlist=["main"]).main(a))
+    http.set_defaults(func=lambda a: benchmark("http").main(a))
 
     args = parser.parse_args(argv)
     result: int = args.func(args)

@@ -119,13 +119,13 @@ def server(start_server: Any) -> Server:
 
 
 def enc(t: torch.Tensor) -> dict[str, Any]:
-    from service.tensors import encode
+    from service.wire.tensors import encode
 
     return encode(t)
 
 
 def dec(obj: dict[str, Any]) -> torch.Tensor:
-    from service.tensors import decode
+    from service.wire.tensors import decode
 
     return decode("tensor", obj["dtype"], obj["shape"], obj["data"])
 

@@ -1,4 +1,4 @@
-"""Typed errors of the core; `service.app` maps each `code` to its HTTP status in one place."""
+"""Typed errors of the core; `service.server.app` maps each `code` to its HTTP status in one place."""
 
 
 class KVPoolError(Exception):

@@ -105,7 +105,7 @@ def test_gpu_bf16_queries_realistic_shape(group: int) -> None:
 
 
 def test_bench_without_cuda_says_so_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    from kernels import bench_fp8
+    from benchmarks.kernels import bench_fp8
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the gpu-marked test runs the benchmark")
@@ -115,7 +115,7 @@ def test_bench_without_cuda_says_so_and_exits_zero(capsys: pytest.CaptureFixture
 
 @pytest.mark.gpu
 def test_bench_quick_runs_on_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    from kernels import bench_fp8
+    from benchmarks.kernels import bench_fp8
 
     assert bench_fp8.main(["--quick"]) == 0
     assert "fp8 speed-up over bf16" in capsys.readouterr().out

@@ -1,0 +1,215 @@
+"""KVPoolClient (sync) and AsyncKVPoolClient on httpx: one method per endpoint, torch tensors in and out.
+
+Errors come back as the core's typed exceptions (OutOfPages, SequenceNotFound, ...), chosen by the
+envelope's `code`; an unknown code becomes a plain KVPoolError carrying it. `attach()` maps the pool
+itself (see service/attach.py) so K/V never has to travel as JSON.
+
+    with KVPoolClient("http://127.0.0.1:8000") as client, client.attach() as pool:
+        client.create_sequence("s1")
+        step = client.step([("s1", 5)])
+        pool.write(k, v, step.slots[0])          # k, v: [num_layers, 5, num_kv_heads, head_dim]
+        out = client.attend(0, ["s1"], q, q_lens=[5])
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from service.client.calls import (
+    AppendResult,
+    Call,
+    Calls,
+    SequenceInfo,
+    StepAppend,
+    StepResult,
+    T,
+    check_response,
+    error_from_envelope,
+    identity,
+)
+from service.ipc.attach import AttachedPool, PoolLost
+
+__all__ = [
+    "AppendResult",
+    "AsyncKVPoolClient",
+    "AttachedPool",
+    "KVPoolClient",
+    "PoolLost",
+    "SequenceInfo",
+    "StepResult",
+    "error_from_envelope",
+]
+
+
+class _Base:
+    def __init__(self, base_url: str, api_key: str | None) -> None:
+        self.base_url = base_url
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class KVPoolClient(_Base):
+    """Blocking client; a context manager that closes its connection pool."""
+
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, timeout: float = 30.0
+    ) -> None:
+        super().__init__(base_url, api_key)
+        self.http = httpx.Client(base_url=base_url, headers=self.headers, timeout=timeout)
+
+    def _run(self, call: Call[T]) -> T:
+        return call.parse(check_response(self.http.request(call.method, call.path, json=call.json)))
+
+    def create_sequence(self, seq_id: str | None = None, token_ids: Sequence[int] | None = None) -> SequenceInfo:
+        return self._run(Calls.create_sequence(seq_id, token_ids))
+
+    def get_sequence(self, seq_id: str) -> SequenceInfo:
+        return self._run(Call("GET", f"/v1/sequences/{seq_id}", lambda b: SequenceInfo(**b)))
+
+    def append(
+        self,
+        seq_id: str,
+        num_tokens: int | None = None,
+        token_ids: Sequence[int] | None = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> AppendResult:
+        return self._run(Calls.append(seq_id, num_tokens, token_ids, k, v))
+
+    def fork(self, seq_id: str, child_id: str | None = None) -> SequenceInfo:
+        body = {"seq_id": child_id} if child_id else None
+        return self._run(Call("POST", f"/v1/sequences/{seq_id}/fork", lambda b: SequenceInfo(**b), body))
+
+    def free(self, seq_id: str) -> int:
+        """Free a sequence; returns how many of its pages lost their last reference."""
+        return self._run(Call("DELETE", f"/v1/sequences/{seq_id}", lambda b: int(b["freed_pages"])))
+
+    def step(self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None) -> StepResult:
+        return self._run(Calls.step(appends, seq_ids))
+
+    def attend(
+        self,
+        layer: int,
+        seq_ids: Sequence[str],
+        q: torch.Tensor,
+        q_lens: Sequence[int] | None = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        return self._run(Calls.attend(layer, seq_ids, q, q_lens, k, v, scale, sliding_window, softcap))
+
+    def pool(self) -> dict[str, Any]:
+        return self._run(Call("GET", "/v1/pool", identity))
+
+    def ipc(self) -> dict[str, Any]:
+        return self._run(Call("GET", "/v1/ipc", identity))
+
+    def healthz(self) -> dict[str, Any]:
+        return self._run(Call("GET", "/healthz", identity))
+
+    def readyz(self) -> dict[str, Any]:
+        return self._run(Call("GET", "/readyz", identity))
+
+    def attach(self) -> AttachedPool:
+        """Map the pool into this process (shared memory, or a CUDA IPC handle on a GPU)."""
+        return AttachedPool(self.ipc())
+
+    def check_attached(self, pool: AttachedPool) -> None:
+        """Raise PoolLost if the server no longer serves the pool `pool` mapped."""
+        pool.check(self.readyz()["instance_id"])
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "KVPoolClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncKVPoolClient(_Base):
+    """The same methods as KVPoolClient, awaitable."""
+
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, timeout: float = 30.0
+    ) -> None:
+        super().__init__(base_url, api_key)
+        self.http = httpx.AsyncClient(base_url=base_url, headers=self.headers, timeout=timeout)
+
+    async def _run(self, call: Call[T]) -> T:
+        return call.parse(check_response(await self.http.request(call.method, call.path, json=call.json)))
+
+    async def create_sequence(self, seq_id: str | None = None, token_ids: Sequence[int] | None = None) -> SequenceInfo:
+        return await self._run(Calls.create_sequence(seq_id, token_ids))
+
+    async def get_sequence(self, seq_id: str) -> SequenceInfo:
+        return await self._run(Call("GET", f"/v1/sequences/{seq_id}", lambda b: SequenceInfo(**b)))
+
+    async def append(
+        self,
+        seq_id: str,
+        num_tokens: int | None = None,
+        token_ids: Sequence[int] | None = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> AppendResult:
+        return await self._run(Calls.append(seq_id, num_tokens, token_ids, k, v))
+
+    async def fork(self, seq_id: str, child_id: str | None = None) -> SequenceInfo:
+        body = {"seq_id": child_id} if child_id else None
+        return await self._run(Call("POST", f"/v1/sequences/{seq_id}/fork", lambda b: SequenceInfo(**b), body))
+
+    async def free(self, seq_id: str) -> int:
+        """Free a sequence; returns how many of its pages lost their last reference."""
+        return await self._run(Call("DELETE", f"/v1/sequences/{seq_id}", lambda b: int(b["freed_pages"])))
+
+    async def step(self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None) -> StepResult:
+        return await self._run(Calls.step(appends, seq_ids))
+
+    async def attend(
+        self,
+        layer: int,
+        seq_ids: Sequence[str],
+        q: torch.Tensor,
+        q_lens: Sequence[int] | None = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        return await self._run(Calls.attend(layer, seq_ids, q, q_lens, k, v, scale, sliding_window, softcap))
+
+    async def pool(self) -> dict[str, Any]:
+        return await self._run(Call("GET", "/v1/pool", identity))
+
+    async def ipc(self) -> dict[str, Any]:
+        return await self._run(Call("GET", "/v1/ipc", identity))
+
+    async def healthz(self) -> dict[str, Any]:
+        return await self._run(Call("GET", "/healthz", identity))
+
+    async def readyz(self) -> dict[str, Any]:
+        return await self._run(Call("GET", "/readyz", identity))
+
+    async def attach(self) -> AttachedPool:
+        """Map the pool into this process (shared memory, or a CUDA IPC handle on a GPU)."""
+        return AttachedPool(await self.ipc())
+
+    async def check_attached(self, pool: AttachedPool) -> None:
+        """Raise PoolLost if the server no longer serves the pool `pool` mapped."""
+        pool.check((await self.readyz())["instance_id"])
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> "AsyncKVPoolClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,113 @@
+"""The pool tensor: blocks[num_pages + 1, 2, num_layers, page_size, num_kv_heads, head_dim].
+
+Every pool tensor is shareable from the start: on the CPU it lives in a POSIX shared-memory
+segment `/dev/shm/kvpool-<instance>-<key>` that other processes map; on CUDA it is exported once as
+a CUDA IPC handle. `ipc_description()` is what `GET /v1/ipc` serves.
+"""
+
+import uuid
+import weakref
+from typing import Any
+
+import torch
+
+from service.config import Settings
+from service.ipc.cuda_ipc import check_exportable, export_cuda
+from service.ipc.shm import Segment, create_shared
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.uint8: "uint8",
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"KVPOOL_DEVICE={name} but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise RuntimeError(f"KVPOOL_DEVICE={name} but only {torch.cuda.device_count()} GPUs are visible")
+    return device
+
+
+def blocks_shape(settings: Settings) -> tuple[int, int, int, int, int, int]:
+    s = settings
+    return (s.num_pages + 1, 1 if s.mla else 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim)
+
+
+def scales_shape(settings: Settings) -> tuple[int, int, int, int, int, int] | None:
+    """FP8 pools: scales[num_pages + 1, 2, L, P, H, head_dim // g], indexed by the same pages; else None."""
+    s = settings
+    if s.dtype != "float8_e4m3fn":
+        return None
+    return (s.num_pages + 1, 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim // s.quant_granularity)
+
+
+def allocate_shared(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Segment]:
+    """A zero-filled CPU tensor in a new POSIX shared-memory segment `name`; the caller unlinks it."""
+    return create_shared(name, shape, dtype)
+
+
+def _unlink_all(segments: list[Segment]) -> None:
+    for segment in segments:
+        segment.unlink()
+
+
+class Storage:
+    """Owns the pool tensors. Page `num_pages` (the null page) stays zero for the process's life."""
+
+    def __init__(self, settings: Settings, instance_id: str | None = None) -> None:
+        self.device = resolve_device(settings.device)
+        self.dtype = DTYPES[settings.dtype]
+        # 16 hex digits keep segment names within macOS's 31-character limit.
+        self.name_prefix = f"kvpool-{(instance_id or uuid.uuid4().hex)[:16]}"
+        self.kind = "cuda_ipc" if self.device.type == "cuda" else "posix_shm"
+        self.segments: list[Segment] = []
+        # Unlinks on garbage collection and at interpreter exit: the backstop for close().
+        self._finalizer = weakref.finalize(self, _unlink_all, self.segments)
+        self._exports: dict[str, dict[str, Any]] = {}
+        if self.kind == "cuda_ipc":
+            check_exportable()
+        self.blocks = self.allocate("blocks", blocks_shape(settings), self.dtype)
+        self.mla, self.kv_lora_rank = settings.mla, settings.kv_lora_rank
+        # FP8 pools: per-group scales, indexed by the same pages and exported beside the blocks
+        # (unwritten slots keep scale 0).
+        shape = scales_shape(settings)
+        self.scales = None if shape is None else self.allocate("scales", shape, DTYPES[settings.scale_dtype])
+
+    def allocate(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled pool tensor on the device, exported under `key` in ipc_description()."""
+        if self.kind == "posix_shm":
+            tensor, segment = allocate_shared(f"{self.name_prefix}-{key}", shape, dtype)
+            self.segments.append(segment)
+            handle: dict[str, Any] = {"name": segment.name, "offset": 0, "nbytes": segment.nbytes}
+        else:
+            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+            handle = export_cuda(tensor)
+        self._exports[key] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(tensor.shape),
+            "strides": list(tensor.stride()),
+            "handle": handle,
+        }
+        return tensor
+
+    def ipc_description(self) -> dict[str, Any]:
+        """{"kind", <key>: {"dtype", "shape", "strides" (elements), "handle"}} for every pool tensor."""
+        return {"kind": self.kind, **self._exports}
+
+    def close(self) -> None:
+        """Unlink the shared segments (idempotent); the memory goes when the last mapping does."""
+        _unlink_all(self.segments)

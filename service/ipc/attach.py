@@ -1,0 +1,126 @@
+"""The pool mapped into a client process: a torch view of `blocks` and K/V writes at served slots."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from service.core.errors import KVPoolError
+from service.ipc.cuda_ipc import open_cuda
+from service.ipc.shm import open_shared
+from service.wire.tensors import TORCH_DTYPES
+
+IPC_DTYPES = {**TORCH_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}
+
+
+class PoolLost(KVPoolError):
+    """The server answering now is not the one whose pool this process mapped (it restarted)."""
+
+    code = "pool_lost"
+
+
+def open_tensor(kind: str, spec: dict[str, Any]) -> torch.Tensor:
+    """A view of one exported pool tensor, from its entry in GET /v1/ipc."""
+    dtype = IPC_DTYPES[spec["dtype"]]
+    handle = spec["handle"]
+    if kind == "posix_shm":
+        return open_shared(handle["name"], handle["offset"], handle["nbytes"], dtype, spec["shape"], spec["strides"])
+    if kind == "cuda_ipc":
+        return open_cuda(handle, dtype, spec["shape"], spec["strides"])
+    raise ValueError(f"unknown IPC kind {kind!r}")
+
+
+def _flat_slots(slots: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+    if isinstance(slots, torch.Tensor):
+        return slots.reshape(-1).to(torch.int64)
+    flat: list[int] = []
+    for s in slots:
+        if isinstance(s, int):
+            flat.append(s)
+        else:
+            flat.extend(s)
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+class AttachedPool:
+    """blocks: [num_pages + 1, 2, num_layers, page_size, num_kv_heads, head_dim], shared with the server."""
+
+    def __init__(self, description: dict[str, Any]) -> None:
+        self.kind: str = description["kind"]
+        self.instance_id: str = description["instance_id"]
+        self.description = description
+        self.blocks: torch.Tensor = open_tensor(self.kind, description["blocks"])
+        self.num_pages = self.blocks.shape[0] - 1
+        self.page_size = self.blocks.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def _pages_offsets(self, slots: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        flat = _flat_slots(slots)
+        bad = (flat < 0) | (flat >= self.num_pages * self.page_size)
+        if bool(bad.any()):
+            raise ValueError(
+                f"slot {int(flat[bad][0])} is outside the pool's {self.num_pages * self.page_size} writable slots"
+            )
+        flat = flat.to(self.device)
+        return flat // self.page_size, flat % self.page_size
+
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
+        layer: int | None = None,
+    ) -> None:
+        """Write K/V at `slots` (as append/step return them; a step's per-sequence lists may be nested).
+
+        k, v: [num_layers, T, num_kv_heads, head_dim] (every layer) or [T, num_kv_heads, head_dim] (`layer`).
+        """
+        pages, offsets = self._pages_offsets(slots)
+        geometry = list(self.blocks.shape[4:])
+        expected = [len(pages), *geometry] if layer is not None else [self.blocks.shape[2], len(pages), *geometry]
+        for name, t in (("k", k), ("v", v)):
+            if list(t.shape) != expected:
+                raise ValueError(f"{name} must have shape {expected}, not {list(t.shape)}")
+        k, v = k.to(self.device, self.blocks.dtype), v.to(self.device, self.blocks.dtype)
+        if layer is None:
+            # blocks[pages, 0, :, offsets]: [T, L, H, D]
+            self.blocks[pages, 0, :, offsets] = k.transpose(0, 1)
+            self.blocks[pages, 1, :, offsets] = v.transpose(0, 1)
+        else:
+            self.blocks[pages, 0, layer, offsets] = k
+            self.blocks[pages, 1, layer, offsets] = v
+        if self.device.type == "cuda":
+            # The server reads on its own stream in another process: the data must be there first.
+            torch.cuda.synchronize(self.device)
+
+    def read(
+        self, slots: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, layer: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at `slots`: [num_layers, T, H, D], or [T, H, D] for one `layer` (copies)."""
+        pages, offsets = self._pages_offsets(slots)
+        if layer is None:
+            kv = self.blocks[pages, :, :, offsets]  # [T, 2, L, H, D]
+            return kv[:, 0].transpose(0, 1).clone(), kv[:, 1].transpose(0, 1).clone()
+        kv = self.blocks[pages, :, layer, offsets]  # [T, 2, H, D]
+        return kv[:, 0].clone(), kv[:, 1].clone()
+
+    def check(self, instance_id: str) -> None:
+        """Raise PoolLost unless `instance_id` (as the server reports it now) is the mapped pool's."""
+        if instance_id != self.instance_id:
+            raise PoolLost(
+                f"the server's pool is {instance_id}, this process mapped {self.instance_id}: "
+                "the server restarted and the mapped memory is no longer its pool"
+            )
+
+    def close(self) -> None:
+        """Drop this object's view; the mapping is released once no tensor views it any more."""
+        self.blocks = torch.empty(0)
+
+    def __enter__(self) -> "AttachedPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,68 @@
+"""create_app(settings): builds the pool state once, mounts the routes and the error handlers."""
+
+import inspect
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from service import __version__
+from service.config import Settings
+from service.server.auth import BearerAuth
+from service.server.dispatch import install_route_dispatch
+from service.server.errors import install_error_handlers
+from service.server.leases import start_lease_sweeper, stop_lease_sweeper
+from service.server.limits import BodySizeLimit
+from service.server.metrics import Metrics, RequestMetricsMiddleware
+from service.server.routes import attend, ipc, pool, sequences, step
+from service.server.routes import metrics as metrics_route
+from service.server.state import PoolState
+
+
+def without_opentelemetry() -> dict[str, Any]:
+    """FastAPI(**this): no OpenTelemetry spans, metrics or logs, on FastAPI versions that have them.
+
+    kvpool's telemetry is its Prometheus registry. FastAPI >= 0.165 otherwise asks OpenTelemetry's
+    global providers on every request whether one was configured (~2 % of the server's CPU under
+    `kvpool bench http`), though nothing in the server can configure one.
+    """
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    state = PoolState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = start_lease_sweeper(state)
+        try:
+            yield
+        finally:
+            await stop_lease_sweeper(sweeper)
+            state.close()
+
+    app = FastAPI(
+        title="kvpool",
+        version=__version__,
+        summary="A standalone paged KV-cache manager for LLM serving",
+        lifespan=lifespan,
+        **without_opentelemetry(),
+    )
+    app.state.pool = state
+    install_error_handlers(app)
+    for module in (sequences, step, attend, pool, ipc):
+        app.include_router(module.router)
+    app.state.metrics = Metrics(state)  # a registry per app
+    app.include_router(metrics_route.router)
+    # The last added runs first: request timing (sees every answer, 401 and 413 included), then
+    # auth (401 before anything is read), then the body size limit.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    if settings.api_key_tenants:
+        app.add_middleware(BearerAuth, keys=settings.api_key_tenants)
+    app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics, routes=app.router.routes)
+    install_route_dispatch(app)  # the API routes without FastAPI's walk through included routers
+    return app

@@ -1,0 +1,47 @@
+"""K/V given with append or attend, checked against the pool's kind (plain, FP8, MLA)."""
+
+import numpy as np
+import torch
+
+from service.core.errors import InvalidRequest
+from service.server.state import PoolState
+from service.wire.models import Tensor
+from service.wire.tensors import decode
+
+
+def decode_kv_input(
+    pool: PoolState, k: Tensor | None, v: Tensor | None, leading: list[int]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(k, v) of shape leading + [num_kv_heads, head_dim], None when neither is given.
+
+    A plain or FP8 pool takes k and v together (FP8 quantizes them on store); an MLA pool takes the
+    latent as k alone (v is its first kv_lora_rank channels, not sent).
+    """
+    s = pool.settings
+    if s.mla and v is not None:
+        raise InvalidRequest("an MLA pool stores one latent per token: send it as k, without v")
+    if not s.mla and (k is None) != (v is None):
+        raise InvalidRequest("k and v come together")
+    if k is None:
+        return None
+    shape = [*leading, s.num_kv_heads, s.head_dim]
+    out = []
+    for name, t in (("k", k), ("v", v)):
+        if t is None:
+            continue
+        if t.shape != shape:
+            raise InvalidRequest(f"{name} must have shape {shape}, not {t.shape}")
+        if not t.dtype.startswith(("float", "bfloat")):
+            raise InvalidRequest(f"{name} must be a floating-point tensor, not {t.dtype}")
+        x = decode(name, t.dtype, t.shape, t.data)
+        if not all_finite(x):
+            raise InvalidRequest(f"{name} has NaN or infinite values")
+        out.append(x)
+    return out[0], (out[1] if len(out) > 1 else None)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """torch.isfinite(x).all(), through numpy where it can (a quarter of the time on a small CPU tensor)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float16):
+        return bool(np.isfinite(x.numpy()).all())
+    return bool(torch.isfinite(x).all())

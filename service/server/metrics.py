@@ -1,0 +1,194 @@
+"""Prometheus metrics on a per-app registry, named after vLLM's where one exists.
+
+The core keeps plain counts (allocator, SequenceTable.stats); `PoolCollector` turns them into
+gauges and counters at scrape time, so the request path pays nothing for them. Only the two
+histograms are observed as requests run: one middleware call per request, one per attention.
+"""
+
+import re
+import time
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Annotated, Any
+
+import torch
+from fastapi import Depends, Request
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import __version__
+
+if TYPE_CHECKING:
+    from service.server.state import PoolState
+
+# Request latencies on loopback run from ~100 µs (a probe) to seconds (a large attend on the CPU).
+REQUEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+ATTENTION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+UNMATCHED_ROUTE = "unmatched"  # the route label of every path no route knows (bounded cardinality)
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+class PoolCollector(Collector):
+    """Reads the pool's counts at scrape time (on the event loop, like every other pool access)."""
+
+    def __init__(self, state: "PoolState") -> None:
+        self.state = state
+
+    def collect(self) -> Iterable[Metric]:
+        state = self.state
+        a, seqs, s = state.allocator, state.sequences, state.settings
+        stats = seqs.stats
+        used = a.num_used
+        gauges = [
+            ("kvpool_pages_total", "Pages in the pool (the null page not counted).", a.num_pages),
+            ("kvpool_pages_used", "Pages held by at least one sequence.", used),
+            ("kvpool_pages_cached", "Unreferenced pages kept for prefix reuse (evictable).", a.num_cached),
+            ("kvpool_pages_free", "Empty pages.", a.num_free),
+            ("kvpool_kv_cache_usage_ratio", "Used pages / total pages (0-1).", used / a.num_pages),
+            (
+                "kvpool_token_occupancy_ratio",
+                "Token slots filled / slots of the used pages (0 when no page is used): internal fragmentation.",
+                state.sequences.tokens_in_used_pages() / (used * s.page_size) if used else 0.0,
+            ),
+            ("kvpool_sequences", "Live sequences.", len(seqs)),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            ("kvpool_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_query_tokens),
+            ("kvpool_prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hit_tokens),
+            ("kvpool_evictions", "Cached pages evicted to make room.", a.num_evictions),
+            ("kvpool_allocation_failures", "Appends refused for lack of pages.", stats.allocation_failures),
+            ("kvpool_sequences_expired", "Sequences freed by the lease sweeper.", stats.sequences_expired),
+            ("kvpool_tokens_appended", "Tokens appended to sequences.", stats.tokens_appended),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        info = GaugeMetricFamily(
+            "kvpool_info",
+            "The pool's settings; always 1.",
+            labels=["version", "device", "dtype", "page_size", "num_pages", "num_layers"],
+        )
+        device = str(state.storage.device)
+        info.add_metric([__version__, device, s.dtype, str(s.page_size), str(s.num_pages), str(s.num_layers)], 1)
+        yield info
+
+
+class Metrics:
+    """The registry of one app: the pool collector and the two latency histograms."""
+
+    def __init__(self, state: "PoolState") -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(PoolCollector(state))
+        self.device = state.storage.device
+        self.request_duration = Histogram(
+            "kvpool_request_duration_seconds",
+            "HTTP request latency, from the first byte in to the last byte out.",
+            ["route", "method", "status"],
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.attention_duration = Histogram(
+            "kvpool_attention_duration_seconds",
+            "Attention over the pool, device time included.",
+            ["kernel", "backend"],
+            buckets=ATTENTION_BUCKETS,
+            registry=self.registry,
+        )
+        for kernel in ("decode", "prefill"):  # series exist (at 0) before the first attention
+            self.attention_duration.labels(kernel, state.engine.backend)
+        # labels() validates and locks on every call: keep the children we have already made.
+        self._request_children: dict[tuple[str, str, int], Any] = {}
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        key = (route, method, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.request_duration.labels(route, method, str(status))
+        child.observe(seconds)
+
+    def observe_attention(self, kernel: str, backend: str, started: float) -> None:
+        """Attention time since `started` (perf_counter); on CUDA, waits for the device to finish first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.attention_duration.labels(kernel, backend).observe(time.perf_counter() - started)
+
+    def render(self, accept: str) -> tuple[bytes, str]:
+        """The exposition the client asked for (Prometheus text 0.0.4 unless Accept says otherwise)."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+
+# async: FastAPI runs a plain `def` dependency in its thread pool; under bench http that hop made
+# POST /v1/attend (the one route that uses this) wait 4-6x longer than every other route.
+async def get_metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+
+
+class RequestMetricsMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware: it would buffer every body through a task group).
+
+    Labels each request with its route template (`/v1/sequences/{seq_id}`), never the raw path,
+    so the number of series stays bounded whatever clients send.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+        self._templates: list[tuple[re.Pattern[str], str, frozenset[str] | None]] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the server answers when the app raises before starting a response
+
+        async def send_and_record_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record_status)
+        finally:
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            self.metrics.observe_request(self.route_of(scope), method, status, time.perf_counter() - start)
+
+    def route_of(self, scope: Scope) -> str:
+        route = scope.get("route")  # set by the router when it dispatched the request
+        path = getattr(route, "path", None)
+        if isinstance(path, str):
+            return path
+        # Answered before routing (e.g. by another middleware): find the template the router would pick.
+        if self._templates is None:  # built on first use: routers may be added after this middleware
+            self._templates = list(route_templates(self.routes))
+        partial = None
+        for regex, template, methods in self._templates:
+            if regex.match(scope["path"]):
+                if methods is None or scope["method"] in methods:
+                    return template
+                partial = partial or template  # the router would answer 405 on this route
+        return partial or UNMATCHED_ROUTE
+
+
+def route_templates(routes: Iterable[BaseRoute]) -> Iterator[tuple[re.Pattern[str], str, frozenset[str] | None]]:
+    """(path regex, template, methods) of every endpoint, in the router's order, through included routers."""
+    for route in routes:
+        included = getattr(route, "original_router", None)  # FastAPI >= 0.16x keeps included routers whole
+        if included is not None:
+            yield from route_templates(included.routes)
+            continue
+        regex, template = getattr(route, "path_regex", None), getattr(route, "path", None)
+        if regex is not None and isinstance(template, str):
+            methods = getattr(route, "methods", None)
+            yield regex, template, frozenset(methods) if methods is not None else None

@@ -1,0 +1,19 @@
+"""Handles through which a process on the same machine maps the pool itself (zero-copy)."""
+
+from fastapi import APIRouter, Depends
+from starlette.responses import Response
+
+from service.server.auth import require_ipc_tenant
+from service.server.routing import ORJSONRoute
+from service.server.state import StateDep, json_response
+from service.wire.models import IpcOut, error_responses
+
+router = APIRouter(prefix="/v1", tags=["ipc"], route_class=ORJSONRoute)
+
+
+@router.get(
+    "/ipc", response_model=IpcOut, dependencies=[Depends(require_ipc_tenant)], responses=error_responses(401, 403)
+)
+async def ipc(pool: StateDep) -> Response:
+    """The pool's shared-memory segment (CPU) or CUDA IPC handle (GPU), its dtype, shape and strides."""
+    return json_response({**pool.storage.ipc_description(), "instance_id": pool.instance_id})

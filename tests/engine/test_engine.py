@@ -1,0 +1,84 @@
+"""The engine's backend choice on a CPU pool: auto is the cpu backend, whose decode batches of a float32
+pool run the compiled kernel; torch runs the reference only. Both answer as dense attention does."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kernels import cpu_decode
+from service.config import Settings
+from service.engine.engine import Engine
+from service.engine.storage import Storage
+from tests.kernels.paged_data import assert_close, dense_attention, place_sequences
+
+SETTINGS = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=16, device="cpu")
+
+
+@pytest.fixture
+def storage() -> Iterator[Storage]:
+    s = Storage(Settings(**SETTINGS))  # type: ignore[arg-type]
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "backend", "compiled_calls"), [("auto", "cpu", 1), ("cpu", "cpu", 1), ("torch", "torch", 0)]
+)
+def test_a_cpu_pool_decodes_on_its_backend(
+    storage: Storage, monkeypatch: pytest.MonkeyPatch, setting: str, backend: str, compiled_calls: int
+) -> None:
+    native = cpu_decode.native
+    assert native is not None
+    calls = []
+
+    class CountingNative:  # the real kernel, its calls counted
+        @staticmethod
+        def decode(*args: Any) -> None:
+            calls.append(1)
+            native.decode(*args)
+
+    monkeypatch.setattr(cpu_decode, "native", CountingNative)
+    engine = Engine(storage, setting)
+    assert engine.backend == backend
+    lengths = [5, 9]
+    seqs = place_sequences(storage.blocks, 1, lengths, seed=2)
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(3))
+    cache_lengths = torch.tensor([n - 1 for n in lengths])
+    out = engine.attend(q, 1, seqs.lookup_table.to(torch.int64), cache_lengths, torch.arange(3), softcap=3.0)
+    assert len(calls) == compiled_calls
+    for i, n in enumerate(lengths):
+        dense, _ = dense_attention(q[i : i + 1], torch.tensor([n - 1]), seqs.keys[i], seqs.values[i], softcap=3.0)
+        assert_close(out[i : i + 1], dense, torch.float32, f"sequence {i}")
+    # A chunked prefill (two queries of the second sequence) takes the torch path on either backend.
+    calls.clear()
+    out = engine.attend(q, 1, seqs.lookup_table.to(torch.int64)[1:], torch.tensor([7]), torch.tensor([0, 2]))
+    dense, _ = dense_attention(q, torch.tensor([7, 8]), seqs.keys[1], seqs.values[1])
+    assert_close(out, dense, torch.float32, "prefill")
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "special",
+    [
+        {"dtype": "float8_e4m3fn", "quant_granularity": 16},
+        {"mla": True, "num_kv_heads": 1, "head_dim": 32, "kv_lora_rank": 16},
+    ],
+)
+def test_fp8_and_mla_pools_on_the_cpu_run_their_references_as_backend_torch(special: dict[str, Any]) -> None:
+    storage = Storage(Settings(**{**SETTINGS, **special}))  # type: ignore[arg-type]
+    try:
+        engine = Engine(storage, "auto")
+        assert engine.backend == "torch" and engine.formats is not None
+    finally:
+        storage.close()
+
+
+def test_the_cpu_backend_refuses_a_pool_on_another_device(storage: Storage) -> None:
+    class CudaStorage:  # what Engine reads of a CUDA pool's storage, before touching any tensor
+        blocks, scales, mla = storage.blocks, None, False
+        device = torch.device("cuda", 0)
+
+    with pytest.raises(RuntimeError, match="'cpu' runs on a CPU pool, not on cuda:0"):
+        Engine(CudaStorage(), "cpu")  # type: ignore[arg-type]
