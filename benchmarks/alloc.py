@@ -311,7 +311,7 @@ def _print_peers(pool: Pool, best: dict[tuple[str, str], float]) -> None:
 
     for key, label in PEER_FIGURES:
         rates = best["kvpool", key], best["vllm", key]
-        cells = [f"{x / 1e6:7.2f} M pages/s {x * pool.page_size / 1e6:7.1f} M tok/s" for x in rates]
+        cells = [f"{x / 1e6:7.3f} M pages/s {x * pool.page_size / 1e6:7.1f} M tok/s" for x in rates]
         row(label, cells, rates[0] / rates[1], _verdict(rates[0] / rates[1], target))
     times = best["kvpool", "step"], best["vllm", "step"]
     cells = [f"{t * 1e6:9.1f} us per step" for t in times]
