@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from service.client import AsyncKVPoolClient, KVPoolClient, error_from_envelope
+from service.client import AsyncKVPoolClient, KVPoolClient, SequenceInfo, error_from_envelope
 from service.core import errors
 from tests.conftest import SMALL_POOL, Server
 from tests.e2e.test_walkthrough import dense_attention
@@ -35,7 +35,7 @@ def test_sequence_endpoints(client: KVPoolClient) -> None:
     assert appended.length == 5 and len(appended.block_table) == 2
     table = appended.block_table
     assert appended.slots == [table[0] * 4 + i for i in range(4)] + [table[1] * 4]
-    assert client.get_sequence("c1") == created.__class__("c1", 5, table, 0)
+    assert client.get_sequence("c1") == SequenceInfo(seq_id="c1", length=5, block_table=table, cached_tokens=0)
 
     child = client.fork("c1", "c1-child")
     assert (child.seq_id, child.length, child.block_table) == ("c1-child", 5, table)
