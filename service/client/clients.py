@@ -1,7 +1,9 @@
 """KVPoolClient (sync) and AsyncKVPoolClient on httpx: one method per endpoint, torch tensors in and out.
 
-Errors come back as the core's typed exceptions (OutOfPages, SequenceNotFound, ...), chosen by the
-envelope's `code`; an unknown code becomes a plain KVPoolError carrying it. `attach()` maps the pool
+Results are the wire's response models (StepResult: its tensors decoded). Errors come back as the
+core's typed exceptions (OutOfPages, SequenceNotFound, ...), chosen by the envelope's `code`, their
+fields from its `details`; an unknown code becomes a plain KVPoolError carrying it. The request
+building and parsing live in `Calls`, so the two clients differ only in how they send. `attach()` maps the pool
 itself (see service/ipc/attach.py) so K/V never has to travel as JSON.
 
     with KVPoolClient("http://127.0.0.1:8000") as client, client.attach() as pool:
@@ -18,19 +20,7 @@ import httpx
 import torch
 
 from service.client.calls import AppendResult, Call, Calls, SequenceInfo, StepAppend, StepResult, T, check_response
-from service.ipc.attach import AttachedPool, PoolLost
-from service.wire.errors import error_from_envelope
-
-__all__ = [
-    "AppendResult",
-    "AsyncKVPoolClient",
-    "AttachedPool",
-    "KVPoolClient",
-    "PoolLost",
-    "SequenceInfo",
-    "StepResult",
-    "error_from_envelope",
-]
+from service.ipc.attach import AttachedPool
 
 
 class _Base:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from service.wire.dtypes import StoredDtype, TensorDtype
+from service.wire.dtypes import PoolDtype, ScaleDtype, StoredDtype, TensorDtype
 from service.wire.errors import ERROR_CODES
 
 SEQ_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -23,6 +23,7 @@ class Strict(BaseModel):
 
 
 class Answer(BaseModel):
+    # A field the server adds must not break a client that parses with an older copy of this module.
     model_config = ConfigDict(extra="ignore")
 
 
@@ -148,7 +149,7 @@ class PoolOut(Answer):
     head_dim: int
     page_size: int
     num_pages: int
-    dtype: str
+    dtype: PoolDtype
     device: str
     pages_used: int
     pages_cached: int
@@ -157,7 +158,7 @@ class PoolOut(Answer):
     sentinel: int
     instance_id: str
     attention_backend: str = Field(description="the backend attention runs on: triton, cpu or torch (from auto)")
-    scale_dtype: str | None = Field(None, description="FP8 pools: dtype of the per-group scales")
+    scale_dtype: ScaleDtype | None = Field(None, description="FP8 pools: dtype of the per-group scales")
     quant_granularity: int | None = Field(None, description="FP8 pools: channels per scale")
     mla: bool = False
     kv_lora_rank: int | None = Field(None, description="MLA pools: value channels of the latent")
