@@ -7,6 +7,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.tenancy import parse_api_keys, parse_tenant_names
+from service.wire.dtypes import DTYPES, PoolDtype, ScaleDtype
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -20,7 +21,7 @@ class Settings(BaseSettings):
     head_dim: int = Field(64, ge=1, le=4096)
     page_size: int = Field(16, ge=1, le=4096, description="tokens per page")
     num_pages: int = Field(512, ge=1, lt=2**31 - 1, description="pages in the pool, the null page not counted")
-    dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn"] = "float32"
+    dtype: PoolDtype = "float32"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N (auto: CUDA when present)")
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "triton", "cpu", "torch"] = Field(
@@ -29,7 +30,7 @@ class Settings(BaseSettings):
         "through the torch reference); torch: the torch reference only",
     )
     # FP8 pools (dtype float8_e4m3fn): one scale per token, head and group of g channels.
-    scale_dtype: Literal["float32", "bfloat16"] = "float32"
+    scale_dtype: ScaleDtype = "float32"
     quant_granularity: int = Field(128, ge=1, le=4096, description="channels per FP8 scale; divides head_dim")
     # MLA pools: one latent of head_dim channels per token; the values are its first kv_lora_rank.
     mla: bool = False
@@ -103,9 +104,6 @@ class Settings(BaseSettings):
         return parse_tenant_names(self.ipc_tenants)
 
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
-
-
 def check_formats(s: Settings) -> None:
     """FP8 and MLA settings that only make sense together with the geometry."""
     if s.dtype == "float8_e4m3fn" and s.head_dim % s.quant_granularity:
@@ -129,9 +127,10 @@ def check_formats(s: Settings) -> None:
 
 def page_nbytes(s: Settings) -> int:
     kv = 1 if s.mla else 2
-    per_layer = kv * s.page_size * s.num_kv_heads * s.head_dim * ITEMSIZE[s.dtype]
+    per_layer = kv * s.page_size * s.num_kv_heads * s.head_dim * DTYPES[s.dtype].itemsize
     if s.dtype == "float8_e4m3fn":
-        per_layer += kv * s.page_size * s.num_kv_heads * (s.head_dim // s.quant_granularity) * ITEMSIZE[s.scale_dtype]
+        scales = s.head_dim // s.quant_granularity
+        per_layer += kv * s.page_size * s.num_kv_heads * scales * DTYPES[s.scale_dtype].itemsize
     return s.num_layers * per_layer
 
 

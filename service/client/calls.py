@@ -1,78 +1,31 @@
-"""API v1 on the wire, for the clients: request bodies, typed results, error envelopes -> exceptions."""
+"""API v1 on the wire, for the clients: request bodies, results parsed with the wire models, errors.
 
-import re
+Results are the server's own response models (service/wire/models.py), which ignore fields they do
+not know, so a newer server's additions never break an older client. Errors are rebuilt from the
+envelope's code and details by the wire's table of error codes.
+"""
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import httpx
+import orjson
 import torch
+from pydantic import ValidationError
 
-from service.core import errors
-from service.ipc.attach import PoolLost
+from service.wire.errors import error_from_envelope
+from service.wire.models import AppendOut, AttendOut, ErrorOut, FreeOut, SequenceOut, StepOut, Tensor
 from service.wire.tensors import decode, encode
 
-ERROR_CLASSES: dict[str, type[errors.KVPoolError]] = {
-    cls.code: cls
-    for cls in (
-        errors.InvalidRequest,
-        errors.SequenceNotFound,
-        errors.SequenceExists,
-        errors.OutOfPages,
-        errors.QuotaExceeded,
-        errors.Unauthorized,
-        errors.Forbidden,
-        errors.PayloadTooLarge,
-        PoolLost,
-    )
-}
-_SEQ_ID = re.compile(r"sequence '([^']*)'")
-_PAGES = re.compile(r"need (\d+) pages, only (\d+)")
-
-
-def error_from_envelope(status: int, code: str, message: str) -> errors.KVPoolError:
-    """The typed exception of an error envelope; `status` is kept as `exc.status`."""
-    cls = ERROR_CLASSES.get(code, errors.KVPoolError)
-    exc = cls.__new__(cls)
-    errors.KVPoolError.__init__(exc, message)  # the subclasses' own __init__ take parsed fields, not a message
-    if cls is errors.KVPoolError:
-        exc.code = code
-    if isinstance(exc, errors.SequenceNotFound | errors.SequenceExists):
-        match = _SEQ_ID.search(message)
-        exc.seq_id = match.group(1) if match else ""
-    if isinstance(exc, errors.OutOfPages):
-        match = _PAGES.search(message)
-        exc.needed, exc.available = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
-    exc.status = status  # type: ignore[attr-defined]
-    return exc
-
-
-def check_response(response: httpx.Response) -> Any:
-    if response.is_success:
-        return response.json()
-    try:
-        error = response.json()["error"]
-        code, message = str(error["code"]), str(error["message"])
-    except (ValueError, KeyError, TypeError):
-        code, message = f"http_{response.status_code}", response.text[:500]
-    raise error_from_envelope(response.status_code, code, message)
-
-
-@dataclass
-class SequenceInfo:
-    seq_id: str
-    length: int
-    block_table: list[int]
-    cached_tokens: int
-
-
-@dataclass
-class AppendResult(SequenceInfo):
-    slots: list[int]
+SequenceInfo = SequenceOut  # .seq_id .length .block_table .cached_tokens, and .ttl_s .expires_in_s on leases
+AppendResult = AppendOut  # a SequenceInfo, plus the .slots of the appended tokens
 
 
 @dataclass
 class StepResult:
+    """StepOut as the client hands it out: the MAX fields, with the two tensors decoded (CPU torch)."""
+
     lookup_table: torch.Tensor  # uint32 [batch, cols], sentinel-filled past each row's pages
     cache_lengths: torch.Tensor  # uint32 [batch]: tokens cached before this step
     input_lengths: list[int]
@@ -81,23 +34,32 @@ class StepResult:
     sentinel: int
     slots: list[list[int]]  # per sequence, the slots of its appended tokens
 
+    @classmethod
+    def from_wire(cls, out: StepOut) -> "StepResult":
+        return cls(
+            lookup_table=_tensor("lookup_table", out.lookup_table),
+            cache_lengths=_tensor("cache_lengths", out.cache_lengths),
+            input_lengths=out.input_lengths,
+            max_prompt_length=out.max_prompt_length,
+            max_cache_length=out.max_cache_length,
+            sentinel=out.sentinel,
+            slots=out.slots,
+        )
 
-def _step_result(body: dict[str, Any]) -> StepResult:
-    lut, lens = body["lookup_table"], body["cache_lengths"]
-    return StepResult(
-        lookup_table=decode("lookup_table", lut["dtype"], lut["shape"], lut["data"]),
-        cache_lengths=decode("cache_lengths", lens["dtype"], lens["shape"], lens["data"]),
-        input_lengths=body["input_lengths"],
-        max_prompt_length=body["max_prompt_length"],
-        max_cache_length=body["max_cache_length"],
-        sentinel=body["sentinel"],
-        slots=body["slots"],
-    )
+
+def _tensor(name: str, tensor: Tensor) -> torch.Tensor:
+    return decode(name, tensor.dtype, tensor.shape, tensor.data)
 
 
-def _attend_out(body: dict[str, Any]) -> torch.Tensor:
-    out = body["out"]
-    return decode("out", out["dtype"], out["shape"], out["data"])
+def check_response(response: httpx.Response) -> bytes:
+    """The body of a successful answer; otherwise raise its error envelope as the typed exception."""
+    if response.is_success:
+        return response.content
+    try:
+        error = ErrorOut.model_validate_json(response.content).error
+    except ValidationError:  # not kvpool's envelope (e.g. a proxy's page)
+        raise error_from_envelope(response.status_code, f"http_{response.status_code}", response.text[:500]) from None
+    raise error_from_envelope(response.status_code, error.code, error.message, error.details)
 
 
 T = TypeVar("T")
@@ -105,28 +67,54 @@ T = TypeVar("T")
 
 @dataclass
 class Call(Generic[T]):
-    """One HTTP request and how to turn its JSON body into the method's result."""
+    """One HTTP request and how to turn its body (the bytes of a successful answer) into the method's result."""
 
     method: str
     path: str
-    parse: Callable[[Any], T]
+    parse: Callable[[bytes], T]
     json: Any = None
 
 
-def identity(body: Any) -> Any:
-    return body
+def _step_result(body: bytes) -> StepResult:
+    return StepResult.from_wire(StepOut.model_validate_json(body))
+
+
+def _attend_out(body: bytes) -> torch.Tensor:
+    return _tensor("out", AttendOut.model_validate_json(body).out)
+
+
+def _freed_pages(body: bytes) -> int:
+    return FreeOut.model_validate_json(body).freed_pages
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    result: dict[str, Any] = orjson.loads(body)
+    return result
 
 
 StepAppend = tuple[str, int] | tuple[str, int, Sequence[int] | None]
+
+
+def _with_kv(body: dict[str, Any], k: torch.Tensor | None, v: torch.Tensor | None) -> dict[str, Any]:
+    if k is not None or v is not None:
+        if k is None or v is None:
+            raise ValueError("k and v come together")
+        body["k"], body["v"] = encode(k), encode(v)
+    return body
 
 
 class Calls:
     """The requests of API v1, shared by the sync and async clients."""
 
     @staticmethod
-    def create_sequence(seq_id: str | None, token_ids: Sequence[int] | None) -> Call[SequenceInfo]:
-        body = {k: v for k, v in (("seq_id", seq_id), ("token_ids", token_ids)) if v is not None}
-        return Call("POST", "/v1/sequences", lambda b: SequenceInfo(**b), body)
+    def create_sequence(seq_id: str | None, token_ids: Sequence[int] | None, ttl_s: float | None) -> Call[SequenceInfo]:
+        fields = {"seq_id": seq_id, "token_ids": list(token_ids) if token_ids is not None else None, "ttl_s": ttl_s}
+        body = {name: value for name, value in fields.items() if value is not None}
+        return Call("POST", "/v1/sequences", SequenceInfo.model_validate_json, body)
+
+    @staticmethod
+    def get_sequence(seq_id: str) -> Call[SequenceInfo]:
+        return Call("GET", f"/v1/sequences/{seq_id}", SequenceInfo.model_validate_json)
 
     @staticmethod
     def append(
@@ -143,11 +131,16 @@ class Calls:
         body: dict[str, Any] = {"num_tokens": num_tokens}
         if token_ids is not None:
             body["token_ids"] = list(token_ids)
-        if k is not None or v is not None:
-            if k is None or v is None:
-                raise ValueError("k and v come together")
-            body["k"], body["v"] = encode(k), encode(v)
-        return Call("POST", f"/v1/sequences/{seq_id}/append", lambda b: AppendResult(**b), body)
+        return Call("POST", f"/v1/sequences/{seq_id}/append", AppendResult.model_validate_json, _with_kv(body, k, v))
+
+    @staticmethod
+    def fork(seq_id: str, child_id: str | None) -> Call[SequenceInfo]:
+        body = {"seq_id": child_id} if child_id else None
+        return Call("POST", f"/v1/sequences/{seq_id}/fork", SequenceInfo.model_validate_json, body)
+
+    @staticmethod
+    def free(seq_id: str) -> Call[int]:
+        return Call("DELETE", f"/v1/sequences/{seq_id}", _freed_pages)
 
     @staticmethod
     def step(appends: Sequence[StepAppend], seq_ids: Sequence[str] | None) -> Call[StepResult]:
@@ -178,8 +171,9 @@ class Calls:
         optional = {"q_lens": list(q_lens) if q_lens is not None else None, "scale": scale}
         optional |= {"sliding_window": sliding_window, "softcap": softcap}
         body |= {name: value for name, value in optional.items() if value is not None}
-        if k is not None or v is not None:
-            if k is None or v is None:
-                raise ValueError("k and v come together")
-            body["k"], body["v"] = encode(k), encode(v)
-        return Call("POST", "/v1/attend", _attend_out, body)
+        return Call("POST", "/v1/attend", _attend_out, _with_kv(body, k, v))
+
+    @staticmethod
+    def get(path: str) -> Call[dict[str, Any]]:
+        """GET a JSON object as a dict (the pool, IPC and probe endpoints)."""
+        return Call("GET", path, json_object)

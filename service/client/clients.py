@@ -1,8 +1,10 @@
 """KVPoolClient (sync) and AsyncKVPoolClient on httpx: one method per endpoint, torch tensors in and out.
 
-Errors come back as the core's typed exceptions (OutOfPages, SequenceNotFound, ...), chosen by the
-envelope's `code`; an unknown code becomes a plain KVPoolError carrying it. `attach()` maps the pool
-itself (see service/attach.py) so K/V never has to travel as JSON.
+Results are the wire's response models (StepResult: its tensors decoded). Errors come back as the
+core's typed exceptions (OutOfPages, SequenceNotFound, ...), chosen by the envelope's `code`, their
+fields from its `details`; an unknown code becomes a plain KVPoolError carrying it. The request
+building and parsing live in `Calls`, so the two clients differ only in how they send. `attach()` maps the pool
+itself (see service/ipc/attach.py) so K/V never has to travel as JSON.
 
     with KVPoolClient("http://127.0.0.1:8000") as client, client.attach() as pool:
         client.create_sequence("s1")
@@ -17,30 +19,8 @@ from typing import Any
 import httpx
 import torch
 
-from service.client.calls import (
-    AppendResult,
-    Call,
-    Calls,
-    SequenceInfo,
-    StepAppend,
-    StepResult,
-    T,
-    check_response,
-    error_from_envelope,
-    identity,
-)
-from service.ipc.attach import AttachedPool, PoolLost
-
-__all__ = [
-    "AppendResult",
-    "AsyncKVPoolClient",
-    "AttachedPool",
-    "KVPoolClient",
-    "PoolLost",
-    "SequenceInfo",
-    "StepResult",
-    "error_from_envelope",
-]
+from service.client.calls import AppendResult, Call, Calls, SequenceInfo, StepAppend, StepResult, T, check_response
+from service.ipc.attach import AttachedPool
 
 
 class _Base:
@@ -61,11 +41,14 @@ class KVPoolClient(_Base):
     def _run(self, call: Call[T]) -> T:
         return call.parse(check_response(self.http.request(call.method, call.path, json=call.json)))
 
-    def create_sequence(self, seq_id: str | None = None, token_ids: Sequence[int] | None = None) -> SequenceInfo:
-        return self._run(Calls.create_sequence(seq_id, token_ids))
+    def create_sequence(
+        self, seq_id: str | None = None, token_ids: Sequence[int] | None = None, ttl_s: float | None = None
+    ) -> SequenceInfo:
+        """ttl_s: the sequence's lease (default KVPOOL_DEFAULT_TTL_S; 0: none), renewed by every call naming it."""
+        return self._run(Calls.create_sequence(seq_id, token_ids, ttl_s))
 
     def get_sequence(self, seq_id: str) -> SequenceInfo:
-        return self._run(Call("GET", f"/v1/sequences/{seq_id}", lambda b: SequenceInfo(**b)))
+        return self._run(Calls.get_sequence(seq_id))
 
     def append(
         self,
@@ -78,12 +61,11 @@ class KVPoolClient(_Base):
         return self._run(Calls.append(seq_id, num_tokens, token_ids, k, v))
 
     def fork(self, seq_id: str, child_id: str | None = None) -> SequenceInfo:
-        body = {"seq_id": child_id} if child_id else None
-        return self._run(Call("POST", f"/v1/sequences/{seq_id}/fork", lambda b: SequenceInfo(**b), body))
+        return self._run(Calls.fork(seq_id, child_id))
 
     def free(self, seq_id: str) -> int:
         """Free a sequence; returns how many of its pages lost their last reference."""
-        return self._run(Call("DELETE", f"/v1/sequences/{seq_id}", lambda b: int(b["freed_pages"])))
+        return self._run(Calls.free(seq_id))
 
     def step(self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None) -> StepResult:
         return self._run(Calls.step(appends, seq_ids))
@@ -103,16 +85,16 @@ class KVPoolClient(_Base):
         return self._run(Calls.attend(layer, seq_ids, q, q_lens, k, v, scale, sliding_window, softcap))
 
     def pool(self) -> dict[str, Any]:
-        return self._run(Call("GET", "/v1/pool", identity))
+        return self._run(Calls.get("/v1/pool"))
 
     def ipc(self) -> dict[str, Any]:
-        return self._run(Call("GET", "/v1/ipc", identity))
+        return self._run(Calls.get("/v1/ipc"))
 
     def healthz(self) -> dict[str, Any]:
-        return self._run(Call("GET", "/healthz", identity))
+        return self._run(Calls.get("/healthz"))
 
     def readyz(self) -> dict[str, Any]:
-        return self._run(Call("GET", "/readyz", identity))
+        return self._run(Calls.get("/readyz"))
 
     def attach(self) -> AttachedPool:
         """Map the pool into this process (shared memory, or a CUDA IPC handle on a GPU)."""
@@ -144,11 +126,14 @@ class AsyncKVPoolClient(_Base):
     async def _run(self, call: Call[T]) -> T:
         return call.parse(check_response(await self.http.request(call.method, call.path, json=call.json)))
 
-    async def create_sequence(self, seq_id: str | None = None, token_ids: Sequence[int] | None = None) -> SequenceInfo:
-        return await self._run(Calls.create_sequence(seq_id, token_ids))
+    async def create_sequence(
+        self, seq_id: str | None = None, token_ids: Sequence[int] | None = None, ttl_s: float | None = None
+    ) -> SequenceInfo:
+        """ttl_s: the sequence's lease (default KVPOOL_DEFAULT_TTL_S; 0: none), renewed by every call naming it."""
+        return await self._run(Calls.create_sequence(seq_id, token_ids, ttl_s))
 
     async def get_sequence(self, seq_id: str) -> SequenceInfo:
-        return await self._run(Call("GET", f"/v1/sequences/{seq_id}", lambda b: SequenceInfo(**b)))
+        return await self._run(Calls.get_sequence(seq_id))
 
     async def append(
         self,
@@ -161,12 +146,11 @@ class AsyncKVPoolClient(_Base):
         return await self._run(Calls.append(seq_id, num_tokens, token_ids, k, v))
 
     async def fork(self, seq_id: str, child_id: str | None = None) -> SequenceInfo:
-        body = {"seq_id": child_id} if child_id else None
-        return await self._run(Call("POST", f"/v1/sequences/{seq_id}/fork", lambda b: SequenceInfo(**b), body))
+        return await self._run(Calls.fork(seq_id, child_id))
 
     async def free(self, seq_id: str) -> int:
         """Free a sequence; returns how many of its pages lost their last reference."""
-        return await self._run(Call("DELETE", f"/v1/sequences/{seq_id}", lambda b: int(b["freed_pages"])))
+        return await self._run(Calls.free(seq_id))
 
     async def step(self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None) -> StepResult:
         return await self._run(Calls.step(appends, seq_ids))
@@ -186,16 +170,16 @@ class AsyncKVPoolClient(_Base):
         return await self._run(Calls.attend(layer, seq_ids, q, q_lens, k, v, scale, sliding_window, softcap))
 
     async def pool(self) -> dict[str, Any]:
-        return await self._run(Call("GET", "/v1/pool", identity))
+        return await self._run(Calls.get("/v1/pool"))
 
     async def ipc(self) -> dict[str, Any]:
-        return await self._run(Call("GET", "/v1/ipc", identity))
+        return await self._run(Calls.get("/v1/ipc"))
 
     async def healthz(self) -> dict[str, Any]:
-        return await self._run(Call("GET", "/healthz", identity))
+        return await self._run(Calls.get("/healthz"))
 
     async def readyz(self) -> dict[str, Any]:
-        return await self._run(Call("GET", "/readyz", identity))
+        return await self._run(Calls.get("/readyz"))
 
     async def attach(self) -> AttachedPool:
         """Map the pool into this process (shared memory, or a CUDA IPC handle on a GPU)."""

@@ -1,12 +1,38 @@
-"""Typed errors of the core; `service.server.app` maps each `code` to its HTTP status in one place."""
+"""Typed errors of the core.
+
+Each class names its `code` and the attributes it carries as data (`detail_fields`, set by its
+`__init__`). service/wire/errors.py gives every code its HTTP status; the server's handler writes
+code, message and `details` into the error envelope, and the client raises the same class again
+from them with `rebuild`, so no field is ever parsed back out of a message.
+"""
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+E = TypeVar("E", bound="KVPoolError")
 
 
 class KVPoolError(Exception):
     code = "internal_error"
+    detail_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+    @property
+    def details(self) -> dict[str, Any]:
+        """The error's fields as data: {name: value} for each of `detail_fields`."""
+        return {name: getattr(self, name) for name in self.detail_fields}
+
+    @classmethod
+    def rebuild(cls: type[E], message: str, details: Mapping[str, Any]) -> E:
+        """The error as another process raised it, from its message and details (a missing field is None)."""
+        exc = cls.__new__(cls)
+        KVPoolError.__init__(exc, message)  # the subclasses' own __init__ take the fields, not a message
+        for name in cls.detail_fields:
+            setattr(exc, name, details.get(name))
+        return exc
 
 
 class InvalidRequest(KVPoolError):
@@ -15,6 +41,7 @@ class InvalidRequest(KVPoolError):
 
 class SequenceNotFound(KVPoolError):
     code = "sequence_not_found"
+    detail_fields = ("seq_id",)
 
     def __init__(self, seq_id: str) -> None:
         super().__init__(f"sequence {seq_id!r} does not exist")
@@ -23,6 +50,7 @@ class SequenceNotFound(KVPoolError):
 
 class SequenceExists(KVPoolError):
     code = "sequence_exists"
+    detail_fields = ("seq_id",)
 
     def __init__(self, seq_id: str) -> None:
         super().__init__(f"sequence {seq_id!r} already exists")
@@ -31,6 +59,7 @@ class SequenceExists(KVPoolError):
 
 class OutOfPages(KVPoolError):
     code = "out_of_pages"
+    detail_fields = ("needed", "available")
 
     def __init__(self, needed: int, available: int) -> None:
         super().__init__(f"need {needed} pages, only {available} can be freed up")

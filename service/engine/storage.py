@@ -14,20 +14,7 @@ import torch
 from service.config import Settings
 from service.ipc.cuda_ipc import check_exportable, export_cuda
 from service.ipc.shm import Segment, create_shared
-
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
-DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.uint8: "uint8",
-}
+from service.wire.dtypes import DTYPES, StoredDtype
 
 
 def resolve_device(name: str) -> torch.device:
@@ -70,7 +57,7 @@ class Storage:
 
     def __init__(self, settings: Settings, instance_id: str | None = None) -> None:
         self.device = resolve_device(settings.device)
-        self.dtype = DTYPES[settings.dtype]
+        self.dtype = DTYPES[settings.dtype].torch
         # 16 hex digits keep segment names within macOS's 31-character limit.
         self.name_prefix = f"kvpool-{(instance_id or uuid.uuid4().hex)[:16]}"
         self.kind = "cuda_ipc" if self.device.type == "cuda" else "posix_shm"
@@ -80,15 +67,16 @@ class Storage:
         self._exports: dict[str, dict[str, Any]] = {}
         if self.kind == "cuda_ipc":
             check_exportable()
-        self.blocks = self.allocate("blocks", blocks_shape(settings), self.dtype)
+        self.blocks = self.allocate("blocks", blocks_shape(settings), settings.dtype)
         self.mla, self.kv_lora_rank = settings.mla, settings.kv_lora_rank
         # FP8 pools: per-group scales, indexed by the same pages and exported beside the blocks
         # (unwritten slots keep scale 0).
         shape = scales_shape(settings)
-        self.scales = None if shape is None else self.allocate("scales", shape, DTYPES[settings.scale_dtype])
+        self.scales = None if shape is None else self.allocate("scales", shape, settings.scale_dtype)
 
-    def allocate(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def allocate(self, key: str, shape: tuple[int, ...], dtype_name: StoredDtype) -> torch.Tensor:
         """A zero-filled pool tensor on the device, exported under `key` in ipc_description()."""
+        dtype = DTYPES[dtype_name].torch
         if self.kind == "posix_shm":
             tensor, segment = allocate_shared(f"{self.name_prefix}-{key}", shape, dtype)
             self.segments.append(segment)
@@ -97,7 +85,7 @@ class Storage:
             tensor = torch.zeros(shape, dtype=dtype, device=self.device)
             handle = export_cuda(tensor)
         self._exports[key] = {
-            "dtype": DTYPE_NAMES[dtype],
+            "dtype": dtype_name,
             "shape": list(tensor.shape),
             "strides": list(tensor.stride()),
             "handle": handle,

@@ -8,9 +8,7 @@ import torch
 from service.core.errors import KVPoolError
 from service.ipc.cuda_ipc import open_cuda
 from service.ipc.shm import open_shared
-from service.wire.tensors import TORCH_DTYPES
-
-IPC_DTYPES = {**TORCH_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}
+from service.wire.dtypes import DTYPES
 
 
 class PoolLost(KVPoolError):
@@ -21,7 +19,7 @@ class PoolLost(KVPoolError):
 
 def open_tensor(kind: str, spec: dict[str, Any]) -> torch.Tensor:
     """A view of one exported pool tensor, from its entry in GET /v1/ipc."""
-    dtype = IPC_DTYPES[spec["dtype"]]
+    dtype = DTYPES[spec["dtype"]].torch
     handle = spec["handle"]
     if kind == "posix_shm":
         return open_shared(handle["name"], handle["offset"], handle["nbytes"], dtype, spec["shape"], spec["strides"])

@@ -1,4 +1,7 @@
-"""The one place where errors become HTTP responses: {"error": {"code", "message"}}."""
+"""The one place where errors become HTTP responses: {"error": {"code", "message", "details"?}}.
+
+Statuses come from the wire's table of error codes (service/wire/errors.py), which the client reads too.
+"""
 
 import re
 from collections.abc import Mapping
@@ -11,24 +14,24 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from service.core.errors import KVPoolError
+from service.wire.errors import status_of
 
-STATUS = {
-    "invalid_request": 422,
-    "sequence_not_found": 404,
-    "sequence_exists": 409,
-    "out_of_pages": 507,
-    "quota_exceeded": 429,
-    "unauthorized": 401,
-    "forbidden": 403,
-    "payload_too_large": 413,
-    "not_ready": 503,
-}
+# The codes of the statuses Starlette and FastAPI raise HTTPException with; any other is "http_error".
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
-def error_response(status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> Response:
-    body = orjson.dumps({"error": {"code": code, "message": message}})
-    return Response(body, status_code=status, media_type="application/json", headers=headers)
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    headers: Mapping[str, str] | None = None,
+    details: dict[str, Any] | None = None,
+) -> Response:
+    """The error envelope; `details` (the error's fields as data) only where there are some."""
+    error: dict[str, Any] = {"code": code, "message": message}
+    if details:
+        error["details"] = details
+    return Response(orjson.dumps({"error": error}), status_code=status, media_type="application/json", headers=headers)
 
 
 def _describe_validation(errors: Any) -> str:
@@ -45,7 +48,7 @@ def _describe_validation(errors: Any) -> str:
 async def _kvpool_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, KVPoolError)
     headers = {"WWW-Authenticate": "Bearer"} if exc.code == "unauthorized" else None
-    return error_response(STATUS.get(exc.code, 500), exc.code, exc.message, headers)
+    return error_response(status_of(exc.code), exc.code, exc.message, headers, exc.details)
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:

@@ -1,8 +1,16 @@
-"""Request and response models of HTTP API v1 (validation and the OpenAPI schema)."""
+"""Request and response models of HTTP API v1: the server validates and documents with them, the client
+parses its answers with them.
+
+Requests are strict and refuse unknown fields; responses (`Answer`) ignore unknown fields, so a client
+keeps working against a server that has added some.
+"""
 
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from service.wire.dtypes import PoolDtype, ScaleDtype, StoredDtype, TensorDtype
+from service.wire.errors import ERROR_CODES
 
 SEQ_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 SeqId = Annotated[str, StringConstraints(pattern=SEQ_ID_PATTERN)]
@@ -14,8 +22,13 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class Answer(BaseModel):
+    # A field the server adds must not break a client that parses with an older copy of this module.
+    model_config = ConfigDict(extra="ignore")
+
+
 class Tensor(Strict):
-    dtype: Literal["float32", "float16", "bfloat16", "uint32", "int32", "int64"]
+    dtype: TensorDtype
     shape: list[Annotated[int, Field(ge=0, le=2**31)]] = Field(max_length=8)
     data: str = Field(description="base64 of the C-contiguous little-endian bytes")
 
@@ -42,7 +55,7 @@ class ForkSequence(Strict):
     seq_id: SeqId | None = None
 
 
-class SequenceOut(BaseModel):
+class SequenceOut(Answer):
     seq_id: str
     length: int
     block_table: list[int]
@@ -69,7 +82,7 @@ class AppendOut(SequenceOut):
     slots: list[int]
 
 
-class FreeOut(BaseModel):
+class FreeOut(Answer):
     seq_id: str
     freed_pages: int = Field(description="pages whose last reference this free dropped")
 
@@ -90,7 +103,7 @@ class StepRequest(Strict):
     )
 
 
-class StepOut(BaseModel):
+class StepOut(Answer):
     lookup_table: Tensor
     cache_lengths: Tensor
     input_lengths: list[int]
@@ -126,17 +139,17 @@ class AttendRequest(Strict):
         return self
 
 
-class AttendOut(BaseModel):
+class AttendOut(Answer):
     out: Tensor
 
 
-class PoolOut(BaseModel):
+class PoolOut(Answer):
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     num_pages: int
-    dtype: str
+    dtype: PoolDtype
     device: str
     pages_used: int
     pages_cached: int
@@ -145,18 +158,31 @@ class PoolOut(BaseModel):
     sentinel: int
     instance_id: str
     attention_backend: str = Field(description="the backend attention runs on: triton, cpu or torch (from auto)")
-    scale_dtype: str | None = Field(None, description="FP8 pools: dtype of the per-group scales")
+    scale_dtype: ScaleDtype | None = Field(None, description="FP8 pools: dtype of the per-group scales")
     quant_granularity: int | None = Field(None, description="FP8 pools: channels per scale")
     mla: bool = False
     kv_lora_rank: int | None = Field(None, description="MLA pools: value channels of the latent")
 
 
-class ErrorBody(BaseModel):
-    code: str
+def _describe_codes() -> str:
+    return "the code and its HTTP status: " + ", ".join(f"{code} {row.status}" for code, row in ERROR_CODES.items())
+
+
+def _describe_details() -> str:
+    parts = []
+    for code, row in ERROR_CODES.items():
+        if row.error is not None and row.error.detail_fields:
+            parts.append(f"{code} {{{', '.join(row.error.detail_fields)}}}")
+    return "the error's fields as data, present where it has some: " + "; ".join(parts)
+
+
+class ErrorBody(Answer):
+    code: str = Field(description=_describe_codes())
     message: str
+    details: dict[str, Any] = Field(default_factory=dict, description=_describe_details())
 
 
-class ErrorOut(BaseModel):
+class ErrorOut(Answer):
     error: ErrorBody
 
 
@@ -165,8 +191,8 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorOut} for status in statuses}
 
 
-class IpcTensor(BaseModel):
-    dtype: str
+class IpcTensor(Answer):
+    dtype: StoredDtype
     shape: list[int]
     strides: list[int] = Field(description="in elements")
     handle: dict[str, Any] = Field(
@@ -175,7 +201,7 @@ class IpcTensor(BaseModel):
     )
 
 
-class IpcOut(BaseModel):
+class IpcOut(Answer):
     model_config = ConfigDict(extra="allow")  # further pool tensors (e.g. FP8 scales) sit beside blocks
 
     kind: Literal["posix_shm", "cuda_ipc"]

@@ -9,49 +9,31 @@ import numpy as np
 import torch
 
 from service.core.errors import InvalidRequest
-
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "uint32": torch.uint32,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
-NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
-    "float32": np.dtype("<f4"),
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype("<u2"),  # numpy has no bfloat16: carried as its raw 16 bits
-    "uint32": np.dtype("<u4"),
-    "int32": np.dtype("<i4"),
-    "int64": np.dtype("<i8"),
-}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+from service.wire.dtypes import DTYPES, TENSOR_DTYPES, dtype_name
 
 
 def decode(name: str, dtype: str, shape: list[int], data: str) -> torch.Tensor:
     """A CPU tensor from its JSON form; a clear InvalidRequest for any mismatch."""
-    np_dtype = NUMPY_DTYPES[dtype]
+    spec = DTYPES[dtype]
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidRequest(f"{name}.data is not valid base64") from None
-    expected = math.prod(shape) * np_dtype.itemsize
+    expected = math.prod(shape) * spec.itemsize
     if len(raw) != expected:
         raise InvalidRequest(f"{name}: shape {shape} of {dtype} needs {expected} bytes, data has {len(raw)}")
-    array = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+    array = np.frombuffer(raw, dtype=spec.wire).reshape(shape)
     tensor = torch.from_numpy(array.copy())
-    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+    return tensor if tensor.dtype == spec.torch else tensor.view(spec.torch)  # raw bits (bfloat16)
 
 
 def encode(tensor: torch.Tensor) -> dict[str, Any]:
-    tensor = tensor.detach().to("cpu").contiguous()
-    name = DTYPE_NAMES.get(tensor.dtype)
-    if name is None:
+    name = dtype_name(tensor.dtype)
+    if name is None or name not in TENSOR_DTYPES:
         raise ValueError(f"cannot encode a tensor of {tensor.dtype}")
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return encode_array(tensor.numpy(), name)
+    tensor = tensor.detach().to("cpu").contiguous()
+    data = base64.b64encode(tensor.reshape(-1).view(torch.uint8).numpy().tobytes()).decode("ascii")
+    return {"dtype": name, "shape": list(tensor.shape), "data": data}
 
 
 def encode_array(array: np.ndarray, dtype: str) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from service.client import AsyncKVPoolClient, KVPoolClient, error_from_envelope
+from service.client import AsyncKVPoolClient, KVPoolClient, SequenceInfo, error_from_envelope
 from service.core import errors
 from tests.conftest import SMALL_POOL, Server
 from tests.e2e.test_walkthrough import dense_attention
@@ -35,7 +35,7 @@ def test_sequence_endpoints(client: KVPoolClient) -> None:
     assert appended.length == 5 and len(appended.block_table) == 2
     table = appended.block_table
     assert appended.slots == [table[0] * 4 + i for i in range(4)] + [table[1] * 4]
-    assert client.get_sequence("c1") == created.__class__("c1", 5, table, 0)
+    assert client.get_sequence("c1") == SequenceInfo(seq_id="c1", length=5, block_table=table, cached_tokens=0)
 
     child = client.fork("c1", "c1-child")
     assert (child.seq_id, child.length, child.block_table) == ("c1-child", 5, table)
@@ -102,6 +102,9 @@ def test_errors_from_the_server_are_typed(client: KVPoolClient, url: str) -> Non
     with pytest.raises(errors.OutOfPages) as oop:
         client.append("dup", 100)  # 25 pages of a 16-page pool
     assert (oop.value.needed, oop.value.available, oop.value.code) == (25, 16, "out_of_pages")
+    envelope = client.http.post("/v1/sequences/dup/append", json={"num_tokens": 100}).json()["error"]
+    assert envelope["details"] == {"needed": 25, "available": 16}  # the fields as data, not only in the message
+    assert client.http.get("/v1/sequences/nobody").json()["error"]["details"] == {"seq_id": "nobody"}
     assert client.get_sequence("dup").length == 0, "a failed append changes nothing"
     with pytest.raises(errors.InvalidRequest, match="layer 5 is out of range"):
         client.attend(5, ["dup"], torch.randn(1, 4, 16))

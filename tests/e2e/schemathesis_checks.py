@@ -24,13 +24,16 @@ def _error_body(response: Any) -> dict[str, Any]:
 
 @schemathesis.check
 def error_envelope(ctx: Any, response: Any, case: Any) -> bool | None:
-    """Every 4xx/5xx body is exactly {"error": {"code": str, "message": str}}, both non-empty."""
+    """Every 4xx/5xx body is exactly {"error": {"code": str, "message": str}}, both non-empty, plus a
+    non-empty "details" object where the error has fields."""
     if response.status_code < 400:
         return None
     body = _error_body(response)
     error = body.get("error")
-    if set(body) != {"error"} or not isinstance(error, dict) or set(error) != {"code", "message"}:
+    if set(body) != {"error"} or not isinstance(error, dict) or set(error) - {"details"} != {"code", "message"}:
         raise AssertionError(f"{response.status_code} body is not the error envelope: {body!r}")
+    if "details" in error and not (isinstance(error["details"], dict) and error["details"]):
+        raise AssertionError(f"{response.status_code} envelope has details that are not a non-empty object: {body!r}")
     if not all(isinstance(error[k], str) and error[k] for k in ("code", "message")):
         raise AssertionError(f"{response.status_code} envelope has an empty or non-string field: {body!r}")
     return None

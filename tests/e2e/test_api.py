@@ -68,10 +68,14 @@ def u32(obj: dict[str, Any]) -> np.ndarray:
     return np.frombuffer(raw, dtype="<u4").reshape(obj["shape"])
 
 
+CODES_WITH_DETAILS = {"out_of_pages", "sequence_not_found", "sequence_exists"}  # their fields as data
+
+
 def assert_error(r: Any, status: int, code: str, says: str = "") -> str:
     assert r.status_code == status, r.text
     body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
+    fields = {"code", "message", "details"} if code in CODES_WITH_DETAILS else {"code", "message"}
+    assert set(body) == {"error"} and set(body["error"]) == fields, body
     assert body["error"]["code"] == code
     message: str = body["error"]["message"]
     assert isinstance(message, str) and message

@@ -28,7 +28,8 @@ def occupancy(server: Server) -> tuple[int, int, int]:
 def assert_error(response: httpx.Response, status: int, code: str) -> None:
     assert response.status_code == status, response.text
     assert response.json()["error"]["code"] == code
-    assert set(response.json()) == {"error"} and set(response.json()["error"]) == {"code", "message"}
+    fields = {"code", "message", "details"} if code == "sequence_not_found" else {"code", "message"}
+    assert set(response.json()) == {"error"} and set(response.json()["error"]) == fields
 
 
 @pytest.fixture(scope="module")
