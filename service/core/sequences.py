@@ -1,10 +1,16 @@
 """Sequences and their block tables, on top of the page allocator.
 
-Lengths, page counts and hashing progress are numpy arrays indexed by row (service.core.block_tables),
-so a decode step over hundreds of sequences costs a handful of vector operations and one dict probe
-per sequence, not a Python loop per page.
+Every operation that takes pages (create with a prefix hit, fork, append, step) is planned, then
+applied: a plan (service.core.plan) works out everything the operation takes, check() holds it
+against the tenant's quota and the pages available, raising before anything changes, and apply()
+carries it out and cannot fail. The quota, the failure count, the commit of written pages to the
+prefix cache, the tenant's page count and the token count are therefore each written once, here.
 
-Every public operation checks everything first and changes nothing when a check fails.
+Prefix-cache commits happen when a page's K/V is known to be written: at an append with
+data_written, at the next append or step naming the sequence, or at free. Leases renew on every
+call naming a sequence. Lengths, page counts and hashing progress live in numpy arrays indexed by
+row (service.core.block_tables), so a decode step over hundreds of sequences costs a handful of
+vector operations and one dict probe per sequence.
 """
 
 import math
@@ -17,15 +23,31 @@ import numpy as np
 
 from service.core import batching
 from service.core.allocator import PageAllocator
-from service.core.appends import AppendingTables, checked_token_bytes
-from service.core.errors import InvalidRequest, SequenceExists, SequenceNotFound
+from service.core.block_tables import BlockTables
+from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceExists, SequenceNotFound
 from service.core.hashing import root_hash
+from service.core.plan import (
+    Decode,
+    NewRow,
+    OneRow,
+    Plan,
+    Rows,
+    checked_data,
+    checked_token_bytes,
+    checked_token_data,
+    place,
+    plan_new,
+    plan_one,
+    plan_rows,
+)
 from service.core.records import Append, Extension, Sequence, Stats, StepResult
 
 __all__ = ["Sequence", "SequenceTable", "Stats", "StepResult"]
 
+NO_PAGES = np.empty(0, dtype=np.int64)
 
-class SequenceTable(AppendingTables):
+
+class SequenceTable:
     def __init__(
         self,
         allocator: PageAllocator,
@@ -33,19 +55,35 @@ class SequenceTable(AppendingTables):
         max_pages_per_tenant: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(allocator.num_pages, page_size)
         self.allocator = allocator
+        self.page_size = page_size
+        self.sentinel = allocator.num_pages
+        self.blocks = BlockTables(self.sentinel, page_size)
         self.clock = clock  # leases: expires_at is on this clock
-        self._num_leased = 0
         self.max_pages_per_tenant = max_pages_per_tenant
         self.stats = Stats()
         self._by_tenant: dict[str, dict[str, Sequence]] = {}
+        self._seq_of_row: list[Sequence | None] = []
         self._num_seqs = 0
-        self._seq_of_row: list[Sequence | None] = [None] * len(self.lengths)
+        self._num_leased = 0
         self._tenant_pages: dict[str, int] = {}
         self._roots: dict[str, bytes] = {}
+        self._generation = 0  # changes applied: a plan is made on one state and applied to it
 
     # -- lookups ------------------------------------------------------------------------------
+    @property
+    def tables(self) -> np.ndarray:
+        """uint32 [rows, width]: each row's pages, then the sentinel."""
+        return self.blocks.tables
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.blocks.lengths
+
+    @property
+    def num_pages(self) -> np.ndarray:
+        return self.blocks.num_pages
+
     def __len__(self) -> int:
         return self._num_seqs
 
@@ -76,10 +114,14 @@ class SequenceTable(AppendingTables):
         return [s for seqs in self._by_tenant.values() for s in seqs.values()]
 
     def length(self, seq: Sequence) -> int:
-        return int(self.lengths[seq.row])
+        return int(self.blocks.lengths[seq.row])
 
     def block_table(self, seq: Sequence) -> list[int]:
-        return self.tables[seq.row, : self.num_pages[seq.row]].tolist()
+        return self.blocks.tables[seq.row, : self.blocks.num_pages[seq.row]].tolist()
+
+    def lookup_table(self, rows: np.ndarray) -> np.ndarray:
+        """uint32 [len(rows), lut_columns(max pages)]: pages, then the sentinel everywhere else."""
+        return self.blocks.lookup_table(rows)
 
     def tenant_pages(self, tenant: str) -> int:
         return self._tenant_pages.get(tenant, 0)
@@ -92,16 +134,16 @@ class SequenceTable(AppendingTables):
         are all used pages full minus the empty tail of each distinct partial last page. Unlike a
         sum of sequence lengths, this counts pages shared by forks or prefix hits once.
         """
-        size = self.page_size
+        size, b = self.page_size, self.blocks
         rows = np.array([s.row for s in self.sequences()], dtype=np.int64)
-        lengths = self.lengths[rows]
+        lengths = b.lengths[rows]
         partial = np.nonzero(lengths % size)[0]
-        tails = self.tables[rows[partial], self.num_pages[rows[partial]] - 1].astype(np.int64)
+        tails = b.tables[rows[partial], b.num_pages[rows[partial]] - 1].astype(np.int64)
         _, first = np.unique(tails, return_index=True)
         empty_slots = int((size - lengths[partial][first] % size).sum())
         return self.allocator.num_used * size - empty_slots
 
-    # -- create / fork / free -----------------------------------------------------------------
+    # -- operations: plan, check, apply -------------------------------------------------------
     def create(
         self, seq_id: str | None = None, token_ids: list[int] | None = None, tenant: str = "", ttl_s: float = 0.0
     ) -> Sequence:
@@ -113,19 +155,12 @@ class SequenceTable(AppendingTables):
             raise InvalidRequest(f"ttl_s must be a finite number >= 0, not {ttl_s}")
         seq_id = self._new_id(seq_id, tenant)
         hits, last_hash, data = self._match_prefix(token_ids or [], tenant)
-        self._check_quota(tenant, len(hits))
-        row = self._take_row()  # no pages, length 0
         num_cached = len(hits) * self.page_size
         tokens = array("q")
-        if hits:
-            self.allocator.acquire_cached(hits)
-            self.tables[row, : len(hits)] = hits
-            self.lengths[row] = num_cached
-            self.num_pages[row] = self.num_hashed[row] = len(hits)
-            tokens.frombytes(data[: num_cached * 8])  # little-endian int64, as array("q") is here
-        self.tokens_known[row] = True
-        seq = Sequence(seq_id, tenant, row, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
-        self._add(seq, len(hits))
+        tokens.frombytes(data[: num_cached * 8])  # little-endian int64, as array("q") is here
+        seq = Sequence(seq_id, tenant, -1, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
+        pages = np.array(hits, dtype=np.int64) if hits else NO_PAGES
+        self.apply(self.check(plan_new(NewRow(seq, pages, True, num_cached, len(hits), True))))
         if token_ids:
             self.stats.prefix_query_tokens += len(token_ids)
             self.stats.prefix_hit_tokens += num_cached
@@ -152,55 +187,18 @@ class SequenceTable(AppendingTables):
         """A new sequence sharing every page of the parent (copy-on-write of a partial last page)."""
         parent = self.get(parent_id, tenant)
         child_id = self._new_id(child_id, tenant)
-        src = parent.row
-        num = int(self.num_pages[src])
-        self._check_quota(tenant, num)
-        row = self._take_row()
-        self.tables[row] = self.tables[src]
-        for arr in (self.lengths, self.num_pages, self.num_hashed, self.tokens_known):
-            arr[row] = arr[src]
-        self.allocator.retain(self.tables[row, :num].astype(np.int64))
+        src, b = parent.row, self.blocks
+        num = int(b.num_pages[src])
         tokens = parent.tokens[:] if parent.tokens is not None else None
         # The lease is inherited (get() above just renewed the parent's).
         child = Sequence(
-            child_id, tenant, row, tokens, parent.last_hash, parent.cached_tokens, parent.ttl_s, parent.expires_at
+            child_id, tenant, -1, tokens, parent.last_hash, parent.cached_tokens, parent.ttl_s, parent.expires_at
         )
-        self._add(child, num)
+        pages = b.tables[src, :num].astype(np.int64)
+        change = NewRow(child, pages, False, int(b.lengths[src]), int(b.num_hashed[src]), bool(b.tokens_known[src]))
+        self.apply(self.check(plan_new(change)))
         return child
 
-    def free(self, seq_id: str, tenant: str = "") -> int:
-        """Release a sequence; returns how many of its pages became unreferenced."""
-        seq = self.get(seq_id, tenant)
-        row = seq.row
-        if seq.tokens is not None and self.allocator.enable_prefix_caching:
-            self._commit_upto(seq, int(self.lengths[row]) // self.page_size)
-        num = int(self.num_pages[row])
-        freed = self.allocator.release(self.tables[row, :num][::-1])  # tail first
-        self._release_row(row, num)
-        self._seq_of_row[row] = None
-        del self._by_tenant[tenant][seq_id]
-        self._num_seqs -= 1
-        self._num_leased -= bool(seq.ttl_s)
-        self._tenant_pages[tenant] -= num
-        return freed
-
-    def _new_id(self, seq_id: str | None, tenant: str) -> str:
-        if seq_id is None:
-            return uuid.uuid4().hex
-        if seq_id in self._by_tenant.get(tenant, {}):
-            raise SequenceExists(seq_id)
-        return seq_id
-
-    def _add(self, seq: Sequence, num_pages: int) -> None:
-        self._by_tenant.setdefault(seq.tenant, {})[seq.seq_id] = seq
-        if len(self._seq_of_row) < len(self.lengths):
-            self._seq_of_row.extend([None] * (len(self.lengths) - len(self._seq_of_row)))
-        self._seq_of_row[seq.row] = seq
-        self._num_seqs += 1
-        self._num_leased += bool(seq.ttl_s)
-        self._tenant_pages[seq.tenant] = self._tenant_pages.get(seq.tenant, 0) + num_pages
-
-    # -- append / step ------------------------------------------------------------------------
     def append(
         self,
         seq_id: str,
@@ -211,7 +209,9 @@ class SequenceTable(AppendingTables):
     ) -> tuple[Sequence, Extension]:
         """Slots for num_tokens more tokens. data_written: their K/V is in the pool already."""
         seq = self.get(seq_id, tenant)
-        return seq, self._extend_one(seq, num_tokens, token_ids, tenant, data_written)
+        data = checked_data(num_tokens, token_ids)
+        plan = plan_one(self.blocks, self.allocator, seq.row, num_tokens, data, tenant)
+        return seq, self.apply(self.check(plan), data_written)
 
     def step(self, appends: list[Append], seq_ids: list[str] | None = None, tenant: str = "") -> StepResult:
         """All appends or none, then the lookup table of `seq_ids` (default: the appended ones)."""
@@ -226,13 +226,14 @@ class SequenceTable(AppendingTables):
         if not distinct:
             raise InvalidRequest("a sequence may appear only once in the appends of a step")
         listed = rows if seq_ids is None else self._rows(seq_ids, tenant)
-        before = self.lengths[listed].astype(np.uint32)
-        ext = self._extend(rows, counts, token_lists, tenant)
+        before = self.blocks.lengths[listed].astype(np.uint32)
+        token_data = checked_token_data(counts, token_lists)
+        ext = self.apply(self.check(plan_rows(self.blocks, self.allocator, rows, counts, token_data, tenant)))
         if seq_ids is None:
             input_lengths, new_slots = counts, ext.slots
         else:
             # Pages written before this step only: the data of the pages appended now comes after it.
-            self._commit_pending(listed, before)
+            self._commit_written(listed, before)
             index = {seq_id: i for i, seq_id in enumerate(ids)}
             offs, parts, input_lengths = ext.offsets, [], []
             for seq_id in seq_ids:
@@ -243,13 +244,150 @@ class SequenceTable(AppendingTables):
             new_slots = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         return StepResult(
             seq_ids=ids if seq_ids is None else list(seq_ids),
-            lookup_table=self.lookup_table(listed),
+            lookup_table=self.blocks.lookup_table(listed),
             cache_lengths=before,
             input_lengths=input_lengths,
             new_slots=new_slots,
             copies=ext.copies,
         )
 
+    def check(self, plan: Plan) -> Plan:
+        """`plan`, if the tenant's quota and the pages available allow it; otherwise QuotaExceeded or
+        OutOfPages (counted in stats.allocation_failures), and nothing changed."""
+        limit, held = self.max_pages_per_tenant, self._tenant_pages.get(plan.tenant, 0)
+        if limit and plan.num_held > 0 and held + plan.num_held > limit:
+            more = plan.num_held
+            msg = f"tenant {plan.tenant!r} holds {held} pages; {more} more would pass its quota of {limit}"
+            raise QuotaExceeded(msg)
+        if plan.num_new > self.allocator.num_available:
+            self.stats.allocation_failures += 1
+            raise OutOfPages(plan.num_new, self.allocator.num_available)
+        if plan.num_new > self.allocator.num_free:
+            plan.num_evictions = plan.num_new - self.allocator.num_free
+        plan.generation = self._generation
+        return plan
+
+    def apply(self, plan: Plan, data_written: bool = False) -> Extension:
+        """Carry out a checked plan on the state it was made on; nothing here can fail.
+        data_written: the appended tokens' K/V is in the pool already, so their full pages are committed."""
+        assert plan.generation == self._generation, "a plan applies only to the state it was checked on"
+        self._generation += 1
+        change = plan.change
+        self._tenant_pages[plan.tenant] = self._tenant_pages.get(plan.tenant, 0) + plan.num_held
+        if isinstance(change, NewRow):  # its pages sat in a block table before: they fit the width
+            return self._start_row(change)
+        self.blocks.ensure_width(plan.most_pages)
+        self._commit_changed(change)  # the pages of earlier appends are written by now
+        ext = place(plan, self.blocks, self.allocator)
+        self.stats.tokens_appended += plan.num_tokens
+        self._record_tokens(change)
+        if data_written:
+            self._commit_changed(change)
+        return ext
+
+    def _start_row(self, change: NewRow) -> Extension:
+        """A NewRow's row, holding its shared pages, and its record in the registry."""
+        b, seq, pages = self.blocks, change.seq, change.pages
+        row = seq.row = b.take_row()
+        if len(pages):  # (a row taken is empty but for tokens_known)
+            if change.from_cache:
+                self.allocator.acquire_cached(pages)  # type: ignore[arg-type]  # takes any int sequence
+            else:
+                self.allocator.retain(pages)
+            b.tables[row, : len(pages)] = pages
+            b.lengths[row], b.num_pages[row], b.num_hashed[row] = change.length, len(pages), change.num_hashed
+        b.tokens_known[row] = change.tokens_known
+        self._by_tenant.setdefault(seq.tenant, {})[seq.seq_id] = seq
+        if len(self._seq_of_row) < len(b.lengths):
+            self._seq_of_row.extend([None] * (len(b.lengths) - len(self._seq_of_row)))
+        self._seq_of_row[row] = seq
+        self._num_seqs += 1
+        self._num_leased += bool(seq.ttl_s)
+        return Extension(NO_PAGES, [0], [])
+
+    def free(self, seq_id: str, tenant: str = "") -> int:
+        """Release a sequence; returns how many of its pages became unreferenced."""
+        seq = self.get(seq_id, tenant)
+        row, b = seq.row, self.blocks
+        if seq.tokens is not None:  # its pages are written by now
+            self._commit_upto(seq, int(b.lengths[row]) // self.page_size)
+        num = int(b.num_pages[row])
+        freed = self.allocator.release(b.tables[row, :num][::-1])  # tail first
+        b.release_row(row)
+        self._seq_of_row[row] = None
+        del self._by_tenant[tenant][seq_id]
+        self._num_seqs -= 1
+        self._num_leased -= bool(seq.ttl_s)
+        self._tenant_pages[tenant] -= num
+        self._generation += 1
+        return freed
+
+    def _new_id(self, seq_id: str | None, tenant: str) -> str:
+        if seq_id is None:
+            return uuid.uuid4().hex
+        if seq_id in self._by_tenant.get(tenant, {}):
+            raise SequenceExists(seq_id)
+        return seq_id
+
+    # -- token ids and prefix-cache commits ---------------------------------------------------
+    def _record_tokens(self, change: OneRow | Decode | Rows) -> None:
+        """Keep the appended token ids (int64 bytes); an append without them makes the row's unknown."""
+        if isinstance(change, OneRow):
+            self._record_one(self._seq_of_row[change.row], change.data)  # type: ignore[arg-type]
+            return
+        rows, token_data = change.rows, change.token_data
+        if change.known is None and token_data.count(None) == len(rows):
+            return  # nothing known before or now (a decode step without ids, typically)
+        for row, data in zip(rows.tolist(), token_data):
+            self._record_one(self._seq_of_row[row], data)
+
+    def _record_one(self, seq: Sequence, data: bytes | None) -> None:
+        if data is None:
+            self.blocks.tokens_known[seq.row] = False
+            seq.tokens = None
+        elif seq.tokens is not None:
+            seq.tokens.frombytes(data)
+
+    def _commit_changed(self, change: OneRow | Decode | Rows) -> None:
+        """Commit the changed rows' full pages below their current lengths."""
+        b = self.blocks
+        if not self.allocator.enable_prefix_caching:
+            return
+        if isinstance(change, OneRow):
+            seq = self._seq_of_row[change.row]
+            self._commit_upto(seq, int(b.lengths[change.row]) // self.page_size)  # type: ignore[arg-type]
+        elif change.known is not None:
+            self._commit_written(change.rows, b.lengths[change.rows])
+
+    def _commit_written(self, rows: np.ndarray, written: np.ndarray) -> None:
+        """Enter into the prefix cache every full page below `written` tokens not yet hashed."""
+        if not self.allocator.enable_prefix_caching or len(rows) == 0:
+            return
+        b = self.blocks
+        known = b.tokens_known[rows]
+        if not known.any():
+            return
+        todo = np.nonzero(known & (written // self.page_size > b.num_hashed[rows]))[0]
+        for i in todo.tolist():
+            row = int(rows[i])
+            self._commit_upto(self._seq_of_row[row], int(written[i]) // self.page_size)  # type: ignore[arg-type]
+
+    def _commit_upto(self, seq: Sequence, num_full: int) -> None:
+        if seq.tokens is None or not self.allocator.enable_prefix_caching:
+            return
+        row, size = seq.row, self.page_size
+        start = int(self.blocks.num_hashed[row])
+        if num_full <= start:
+            return
+        pages = self.blocks.tables[row, start:num_full].astype(np.int64)
+        # A view, not a copy; released at once, since an array exporting a buffer cannot grow.
+        with memoryview(seq.tokens) as ids, ids.cast("B") as data:
+            seq.last_hash = self.allocator.commit(
+                pages, seq.last_hash, data[start * size * 8 : num_full * size * 8], size * 8
+            )
+        self.blocks.num_hashed[row] = num_full
+
+    # -- attention and leases -----------------------------------------------------------------
     def attention_batch(
         self, seq_ids: list[str], q_lens: list[int], tenant: str = ""
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -258,25 +396,23 @@ class SequenceTable(AppendingTables):
         rows = self._rows(seq_ids, tenant)
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidRequest("seq_ids must be distinct")
-        lens = self.lengths[rows]
+        lens = self.blocks.lengths[rows]
         counts = np.asarray(q_lens, dtype=np.int64)
         too_long = np.nonzero(counts > lens)[0]
         if len(too_long):
             i = int(too_long[0])
             raise InvalidRequest(f"q_len {int(counts[i])} exceeds the length {int(lens[i])} of sequence {seq_ids[i]!r}")
         cache_lengths = lens - counts
-        return self.lookup_table(rows), cache_lengths, self.slots_of(rows, cache_lengths, counts)
+        return self.blocks.lookup_table(rows), cache_lengths, self.blocks.slots_of(rows, cache_lengths, counts)
 
-    # -- leases -------------------------------------------------------------------------------
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Free, through free(), every leased sequence whose lease ran out by `now` (on self.clock);
         returns their (tenant, seq_id) in no particular order.
 
         Renewal is one clock read and one float store per leased sequence named by a call (none at
         all while no sequence has a lease); finding the expired ones is a scan here instead, one
-        comparison per live sequence, run by the sweeper about once a second (~60 µs per 1,000
-        sequences, measured). A heap would make every renewal a push on the hot path to speed up
-        the once-a-second path.
+        comparison per live sequence, run by the sweeper about once a second. A heap would make
+        every renewal a push on the hot path to speed up the once-a-second path.
         """
         if not self._num_leased:
             return []
