@@ -4,19 +4,17 @@ Every operation that takes pages (create with a prefix hit, fork, append, step) 
 applied: a plan (service.core.plan) works out everything the operation takes, check() holds it
 against the tenant's quota and the pages available, raising before anything changes, and apply()
 carries it out and cannot fail. The quota, the failure count, the commit of written pages to the
-prefix cache, the tenant's page count and the token count are therefore each written once, here.
+prefix cache, the tenant's page count and the token count therefore each happen in one place.
 
 Prefix-cache commits happen when a page's K/V is known to be written: at an append with
 data_written, at the next append or step naming the sequence, or at free. Leases renew on every
-call naming a sequence. Lengths, page counts and hashing progress live in numpy arrays indexed by
-row (service.core.block_tables), so a decode step over hundreds of sequences costs a handful of
-vector operations and one dict probe per sequence.
+call naming a sequence (service.core.registry). Lengths, page counts and hashing progress live in
+numpy arrays indexed by row (service.core.block_tables), so a decode step over hundreds of
+sequences costs a handful of vector operations and one dict probe per sequence.
 """
 
 import math
 import time
-import uuid
-from array import array
 from collections.abc import Callable
 
 import numpy as np
@@ -24,23 +22,20 @@ import numpy as np
 from service.core import batching
 from service.core.allocator import PageAllocator
 from service.core.block_tables import BlockTables
-from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceExists, SequenceNotFound
-from service.core.hashing import root_hash
+from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded
 from service.core.plan import (
-    Decode,
     NewRow,
-    OneRow,
     Plan,
-    Rows,
     checked_data,
-    checked_token_bytes,
     checked_token_data,
     place,
     plan_new,
     plan_one,
     plan_rows,
 )
+from service.core.prefixes import Prefixes
 from service.core.records import Append, Extension, Sequence, Stats, StepResult
+from service.core.registry import Registry
 
 __all__ = ["Sequence", "SequenceTable", "Stats", "StepResult"]
 
@@ -60,14 +55,11 @@ class SequenceTable:
         self.sentinel = allocator.num_pages
         self.blocks = BlockTables(self.sentinel, page_size)
         self.clock = clock  # leases: expires_at is on this clock
+        self.registry = Registry(clock)
+        self.prefixes = Prefixes(allocator, self.blocks, self.registry.of_row)
         self.max_pages_per_tenant = max_pages_per_tenant
         self.stats = Stats()
-        self._by_tenant: dict[str, dict[str, Sequence]] = {}
-        self._seq_of_row: list[Sequence | None] = []
-        self._num_seqs = 0
-        self._num_leased = 0
         self._tenant_pages: dict[str, int] = {}
-        self._roots: dict[str, bytes] = {}
         self._generation = 0  # changes applied: a plan is made on one state and applied to it
 
     # -- lookups ------------------------------------------------------------------------------
@@ -85,33 +77,14 @@ class SequenceTable:
         return self.blocks.num_pages
 
     def __len__(self) -> int:
-        return self._num_seqs
+        return len(self.registry)
 
     def get(self, seq_id: str, tenant: str = "") -> Sequence:
-        seq = self._by_tenant.get(tenant, {}).get(seq_id)
-        if seq is None:
-            raise SequenceNotFound(seq_id)
-        if seq.ttl_s:  # every call naming a sequence renews its lease (see expire())
-            seq.expires_at = self.clock() + seq.ttl_s
-        return seq
-
-    def _rows(self, seq_ids: list[str], tenant: str) -> np.ndarray:
-        """Rows of `seq_ids` (one dict probe each), or SequenceNotFound for the first unknown one."""
-        seqs = self._by_tenant.get(tenant, {})
-        try:
-            if not self._num_leased:
-                return np.array([seqs[s].row for s in seq_ids], dtype=np.int64)
-            found = [seqs[s] for s in seq_ids]
-        except KeyError as exc:
-            raise SequenceNotFound(str(exc.args[0])) from None
-        now = self.clock()
-        for seq in found:  # renew leases, as get() does
-            if seq.ttl_s:
-                seq.expires_at = now + seq.ttl_s
-        return np.array([seq.row for seq in found], dtype=np.int64)
+        """The sequence `seq_id` of `tenant` (SequenceNotFound if none), its lease renewed."""
+        return self.registry.get(seq_id, tenant)
 
     def sequences(self) -> list[Sequence]:
-        return [s for seqs in self._by_tenant.values() for s in seqs.values()]
+        return self.registry.all()
 
     def length(self, seq: Sequence) -> int:
         return int(self.blocks.lengths[seq.row])
@@ -153,11 +126,9 @@ class SequenceTable:
         """
         if not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise InvalidRequest(f"ttl_s must be a finite number >= 0, not {ttl_s}")
-        seq_id = self._new_id(seq_id, tenant)
-        hits, last_hash, data = self._match_prefix(token_ids or [], tenant)
+        seq_id = self.registry.new_id(seq_id, tenant)
+        hits, last_hash, tokens = self.prefixes.match(token_ids or [], tenant)
         num_cached = len(hits) * self.page_size
-        tokens = array("q")
-        tokens.frombytes(data[: num_cached * 8])  # little-endian int64, as array("q") is here
         seq = Sequence(seq_id, tenant, -1, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
         pages = np.array(hits, dtype=np.int64) if hits else NO_PAGES
         self.apply(self.check(plan_new(NewRow(seq, pages, True, num_cached, len(hits), True))))
@@ -166,27 +137,10 @@ class SequenceTable:
             self.stats.prefix_hit_tokens += num_cached
         return seq
 
-    def _match_prefix(self, token_ids: list[int], tenant: str) -> tuple[list[int], bytes, bytes]:
-        """(cached pages starting the prompt, hash of the last one, the token bytes of at least those)."""
-        root = self._roots.get(tenant) or self._roots.setdefault(tenant, root_hash(tenant))
-        max_hits = (len(token_ids) - 1) // self.page_size  # never cover the last prompt token
-        if not self.allocator.enable_prefix_caching or max_hits <= 0:
-            return [], root, b""
-        # Convert the first page alone: most prompts miss there, and then the rest needs no bytes.
-        size, nbytes = self.page_size, self.page_size * 8
-        data = checked_token_bytes(token_ids[:size])
-        pages, last = self.allocator.match(root, data, nbytes)
-        if pages and max_hits > 1:
-            rest = checked_token_bytes(token_ids[size : max_hits * size])
-            more, last = self.allocator.match(last, rest, nbytes)
-            pages += more
-            data += rest
-        return pages, last, data
-
     def fork(self, parent_id: str, child_id: str | None = None, tenant: str = "") -> Sequence:
         """A new sequence sharing every page of the parent (copy-on-write of a partial last page)."""
-        parent = self.get(parent_id, tenant)
-        child_id = self._new_id(child_id, tenant)
+        parent = self.registry.get(parent_id, tenant)
+        child_id = self.registry.new_id(child_id, tenant)
         src, b = parent.row, self.blocks
         num = int(b.num_pages[src])
         tokens = parent.tokens[:] if parent.tokens is not None else None
@@ -208,24 +162,25 @@ class SequenceTable:
         tenant: str = "",
     ) -> tuple[Sequence, Extension]:
         """Slots for num_tokens more tokens. data_written: their K/V is in the pool already."""
-        seq = self.get(seq_id, tenant)
+        seq = self.registry.get(seq_id, tenant)
         data = checked_data(num_tokens, token_ids)
         plan = plan_one(self.blocks, self.allocator, seq.row, num_tokens, data, tenant)
         return seq, self.apply(self.check(plan), data_written)
 
     def step(self, appends: list[Append], seq_ids: list[str] | None = None, tenant: str = "") -> StepResult:
         """All appends or none, then the lookup table of `seq_ids` (default: the appended ones)."""
-        # Leases renew on every call naming a sequence: _rows() does that; without any, one C pass.
-        columns = None if self._num_leased else batching.unzip_appends(self._by_tenant.get(tenant, {}), appends)
+        # Leases renew on every call naming a sequence: rows() does that; without any, one C pass.
+        reg = self.registry
+        columns = None if reg.num_leased else batching.unzip_appends(reg.by_tenant.get(tenant, {}), appends)
         if columns is None:
             ids, counts, token_lists = (list(c) for c in zip(*appends)) if appends else ([], [], [])
-            rows, distinct = self._rows(ids, tenant), len(set(ids)) == len(ids)
+            rows, distinct = self.registry.rows(ids, tenant), len(set(ids)) == len(ids)
         else:
             ids, counts, token_lists, raw_rows, distinct = columns
             rows = np.frombuffer(raw_rows, dtype=np.int64)
         if not distinct:
             raise InvalidRequest("a sequence may appear only once in the appends of a step")
-        listed = rows if seq_ids is None else self._rows(seq_ids, tenant)
+        listed = rows if seq_ids is None else self.registry.rows(seq_ids, tenant)
         before = self.blocks.lengths[listed].astype(np.uint32)
         token_data = checked_token_data(counts, token_lists)
         ext = self.apply(self.check(plan_rows(self.blocks, self.allocator, rows, counts, token_data, tenant)))
@@ -233,7 +188,7 @@ class SequenceTable:
             input_lengths, new_slots = counts, ext.slots
         else:
             # Pages written before this step only: the data of the pages appended now comes after it.
-            self._commit_written(listed, before)
+            self.prefixes.commit_rows(listed, before)
             index = {seq_id: i for i, seq_id in enumerate(ids)}
             offs, parts, input_lengths = ext.offsets, [], []
             for seq_id in seq_ids:
@@ -277,12 +232,12 @@ class SequenceTable:
         if isinstance(change, NewRow):  # its pages sat in a block table before: they fit the width
             return self._start_row(change)
         self.blocks.ensure_width(plan.most_pages)
-        self._commit_changed(change)  # the pages of earlier appends are written by now
+        self.prefixes.commit_changed(change)  # the pages of earlier appends are written by now
         ext = place(plan, self.blocks, self.allocator)
         self.stats.tokens_appended += plan.num_tokens
-        self._record_tokens(change)
+        self.prefixes.record(change)
         if data_written:
-            self._commit_changed(change)
+            self.prefixes.commit_changed(change)
         return ext
 
     def _start_row(self, change: NewRow) -> Extension:
@@ -297,95 +252,22 @@ class SequenceTable:
             b.tables[row, : len(pages)] = pages
             b.lengths[row], b.num_pages[row], b.num_hashed[row] = change.length, len(pages), change.num_hashed
         b.tokens_known[row] = change.tokens_known
-        self._by_tenant.setdefault(seq.tenant, {})[seq.seq_id] = seq
-        if len(self._seq_of_row) < len(b.lengths):
-            self._seq_of_row.extend([None] * (len(b.lengths) - len(self._seq_of_row)))
-        self._seq_of_row[row] = seq
-        self._num_seqs += 1
-        self._num_leased += bool(seq.ttl_s)
+        self.registry.add(seq)
         return Extension(NO_PAGES, [0], [])
 
     def free(self, seq_id: str, tenant: str = "") -> int:
         """Release a sequence; returns how many of its pages became unreferenced."""
-        seq = self.get(seq_id, tenant)
+        seq = self.registry.get(seq_id, tenant)
         row, b = seq.row, self.blocks
         if seq.tokens is not None:  # its pages are written by now
-            self._commit_upto(seq, int(b.lengths[row]) // self.page_size)
+            self.prefixes.commit_upto(seq, int(b.lengths[row]) // self.page_size)
         num = int(b.num_pages[row])
         freed = self.allocator.release(b.tables[row, :num][::-1])  # tail first
         b.release_row(row)
-        self._seq_of_row[row] = None
-        del self._by_tenant[tenant][seq_id]
-        self._num_seqs -= 1
-        self._num_leased -= bool(seq.ttl_s)
+        self.registry.remove(seq)
         self._tenant_pages[tenant] -= num
         self._generation += 1
         return freed
-
-    def _new_id(self, seq_id: str | None, tenant: str) -> str:
-        if seq_id is None:
-            return uuid.uuid4().hex
-        if seq_id in self._by_tenant.get(tenant, {}):
-            raise SequenceExists(seq_id)
-        return seq_id
-
-    # -- token ids and prefix-cache commits ---------------------------------------------------
-    def _record_tokens(self, change: OneRow | Decode | Rows) -> None:
-        """Keep the appended token ids (int64 bytes); an append without them makes the row's unknown."""
-        if isinstance(change, OneRow):
-            self._record_one(self._seq_of_row[change.row], change.data)  # type: ignore[arg-type]
-            return
-        rows, token_data = change.rows, change.token_data
-        if change.known is None and token_data.count(None) == len(rows):
-            return  # nothing known before or now (a decode step without ids, typically)
-        for row, data in zip(rows.tolist(), token_data):
-            self._record_one(self._seq_of_row[row], data)
-
-    def _record_one(self, seq: Sequence, data: bytes | None) -> None:
-        if data is None:
-            self.blocks.tokens_known[seq.row] = False
-            seq.tokens = None
-        elif seq.tokens is not None:
-            seq.tokens.frombytes(data)
-
-    def _commit_changed(self, change: OneRow | Decode | Rows) -> None:
-        """Commit the changed rows' full pages below their current lengths."""
-        b = self.blocks
-        if not self.allocator.enable_prefix_caching:
-            return
-        if isinstance(change, OneRow):
-            seq = self._seq_of_row[change.row]
-            self._commit_upto(seq, int(b.lengths[change.row]) // self.page_size)  # type: ignore[arg-type]
-        elif change.known is not None:
-            self._commit_written(change.rows, b.lengths[change.rows])
-
-    def _commit_written(self, rows: np.ndarray, written: np.ndarray) -> None:
-        """Enter into the prefix cache every full page below `written` tokens not yet hashed."""
-        if not self.allocator.enable_prefix_caching or len(rows) == 0:
-            return
-        b = self.blocks
-        known = b.tokens_known[rows]
-        if not known.any():
-            return
-        todo = np.nonzero(known & (written // self.page_size > b.num_hashed[rows]))[0]
-        for i in todo.tolist():
-            row = int(rows[i])
-            self._commit_upto(self._seq_of_row[row], int(written[i]) // self.page_size)  # type: ignore[arg-type]
-
-    def _commit_upto(self, seq: Sequence, num_full: int) -> None:
-        if seq.tokens is None or not self.allocator.enable_prefix_caching:
-            return
-        row, size = seq.row, self.page_size
-        start = int(self.blocks.num_hashed[row])
-        if num_full <= start:
-            return
-        pages = self.blocks.tables[row, start:num_full].astype(np.int64)
-        # A view, not a copy; released at once, since an array exporting a buffer cannot grow.
-        with memoryview(seq.tokens) as ids, ids.cast("B") as data:
-            seq.last_hash = self.allocator.commit(
-                pages, seq.last_hash, data[start * size * 8 : num_full * size * 8], size * 8
-            )
-        self.blocks.num_hashed[row] = num_full
 
     # -- attention and leases -----------------------------------------------------------------
     def attention_batch(
@@ -393,7 +275,7 @@ class SequenceTable:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For queries at the last q_lens positions of each sequence: (lookup table, cache lengths,
         slots of the query positions)."""
-        rows = self._rows(seq_ids, tenant)
+        rows = self.registry.rows(seq_ids, tenant)
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidRequest("seq_ids must be distinct")
         lens = self.blocks.lengths[rows]
@@ -407,16 +289,8 @@ class SequenceTable:
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Free, through free(), every leased sequence whose lease ran out by `now` (on self.clock);
-        returns their (tenant, seq_id) in no particular order.
-
-        Renewal is one clock read and one float store per leased sequence named by a call (none at
-        all while no sequence has a lease); finding the expired ones is a scan here instead, one
-        comparison per live sequence, run by the sweeper about once a second. A heap would make
-        every renewal a push on the hot path to speed up the once-a-second path.
-        """
-        if not self._num_leased:
-            return []
-        expired = [s for s in self.sequences() if s.ttl_s and s.expires_at <= now]
+        returns their (tenant, seq_id) in no particular order."""
+        expired = self.registry.expired(now)
         for seq in expired:
             self.free(seq.seq_id, seq.tenant)
         self.stats.sequences_expired += len(expired)
