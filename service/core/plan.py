@@ -5,7 +5,8 @@ last pages are copied first (copy-on-write), how many pages the allocator hands 
 those it must evict from the prefix cache, and how many pages the tenant holds more afterwards.
 The plan_*() functions read the block tables and the allocator and change nothing;
 SequenceTable.check() holds a plan against the quota and the pages available, and
-SequenceTable.apply() carries it out, which cannot fail. place() below is apply's page work.
+SequenceTable.apply() carries it out, which cannot fail; the page work of apply is the place()
+method of each shape of change.
 
 Three shapes of change, so that each common case costs only what it must:
   OneRow   one row grows (a prompt, or one sequence's append): scalar arithmetic, since numpy
@@ -30,6 +31,13 @@ from service.core.errors import InvalidRequest
 from service.core.hashing import token_bytes
 from service.core.records import Extension, Sequence
 
+NO_PAGES = np.empty(0, dtype=np.int64)
+
+
+# Each change's place() allocates its pages into the block tables (copies first) and grows its rows.
+# It cannot fail: SequenceTable.check() held the plan against the pages available, and apply()
+# made the tables wide enough. It returns the new slots (none for a NewRow).
+
 
 @dataclass(slots=True, eq=False)
 class OneRow:
@@ -41,12 +49,36 @@ class OneRow:
     copy: bool  # the shared partial last page is copied first
     data: bytes | None  # the token ids as int64 bytes; None: unknown
 
+    def place(self, num_new: int, blocks: BlockTables, alloc: PageAllocator) -> Extension:
+        row, old_pages, new_pages = self.row, self.old_pages, self.new_pages
+        copies = []
+        if self.copy:
+            pages = alloc.allocate(num_new)
+            src = int(blocks.tables[row, old_pages - 1])
+            blocks.tables[row, old_pages - 1] = pages[0]
+            copies.append((src, int(pages[0])))
+            alloc.release(np.array([src], dtype=np.int64))
+            blocks.tables[row, old_pages:new_pages] = pages[1:]
+        else:  # straight into the block table
+            alloc.allocate_into(blocks.tables[row, old_pages:new_pages])
+        blocks.lengths[row], blocks.num_pages[row] = self.old_len + self.count, new_pages
+        return Extension(blocks.row_slots(row, self.old_len, self.count), [0, self.count], copies)
+
 
 @dataclass(slots=True, eq=False)
 class Decode:
     rows: np.ndarray  # int64 [n], distinct
     token_data: list[bytes | None]  # [n]
     known: np.ndarray | None  # bool [n]: the rows whose token ids are known so far; None if none is
+
+    def place(self, num_new: int, blocks: BlockTables, alloc: PageAllocator) -> Extension:
+        rows, tables = self.rows, blocks.tables
+        slots = np.empty(len(rows), dtype=np.int64)
+        new = alloc.allocate(num_new)  # for the rows whose length is a multiple of the page size
+        batching.decode_apply(
+            tables, tables.shape[1], blocks.lengths, blocks.num_pages, rows, new, blocks.page_size, slots
+        )
+        return Extension(slots, range(len(rows) + 1), [])
 
 
 @dataclass(slots=True, eq=False)
@@ -60,15 +92,56 @@ class Rows:
     new_pages: np.ndarray  # int64 [n]
     copies: list[int]  # indices into rows of those that copy their shared partial last page, in order
 
+    def place(self, num_new: int, blocks: BlockTables, alloc: PageAllocator) -> Extension:
+        rows, old_pages, cow = self.rows, self.old_pages, self.copies
+        pages = alloc.allocate(num_new)  # the copies' pages first, then the grown ones in row order
+        copies: list[tuple[int, int]] = []
+        if cow:
+            cow_rows, cols = rows[cow], old_pages[cow] - 1
+            src = blocks.tables[cow_rows, cols].astype(np.int64)
+            blocks.tables[cow_rows, cols] = pages[: len(cow)]
+            copies = list(zip(src.tolist(), pages[: len(cow)].tolist()))
+            for page in src.tolist():  # one by one: two rows may drop the same page
+                alloc.release(np.array([page], dtype=np.int64))
+        num_grow = num_new - len(cow)
+        if num_grow:
+            grow = self.new_pages - old_pages
+            g_idx = np.nonzero(grow)[0]
+            g_cnt = grow[g_idx]
+            seq_of = np.repeat(g_idx, g_cnt)
+            within = np.arange(num_grow) - np.repeat(np.cumsum(g_cnt) - g_cnt, g_cnt)
+            blocks.tables[rows[seq_of], old_pages[seq_of] + within] = pages[len(cow) :]
+        blocks.lengths[rows] = self.old_len + self.counts
+        blocks.num_pages[rows] = self.new_pages
+        slots = blocks.slots_of(rows, self.old_len, self.counts)
+        return Extension(slots, [0, *np.cumsum(self.counts).tolist()], copies)
+
 
 @dataclass(slots=True, eq=False)
 class NewRow:
-    seq: Sequence  # the new sequence's record; apply() gives it its row
+    seq: Sequence  # the new sequence's record; place() gives it its row
     pages: np.ndarray  # int64 [k]: the pages it starts on, shared
     from_cache: bool  # prefix hits: some pages may be cached (unreferenced) rather than used
     length: int
     num_hashed: int
     tokens_known: bool
+
+    def place(self, num_new: int, blocks: BlockTables, alloc: PageAllocator) -> Extension:
+        row = self.seq.row = blocks.take_row()
+        pages = self.pages
+        if len(pages):  # (a row taken is empty but for tokens_known)
+            if self.from_cache:
+                alloc.acquire_cached(pages)  # type: ignore[arg-type]  # takes any int sequence
+            else:
+                alloc.retain(pages)
+            blocks.tables[row, : len(pages)] = pages
+            blocks.lengths[row], blocks.num_pages[row], blocks.num_hashed[row] = (
+                self.length,
+                len(pages),
+                self.num_hashed,
+            )
+        blocks.tokens_known[row] = self.tokens_known
+        return Extension(NO_PAGES, [0], [])
 
 
 @dataclass(slots=True, eq=False)
@@ -153,64 +226,6 @@ def _copy_on_write(
             copies.append(i)
             copies_left[page] = left - 1
     return copies
-
-
-def place(plan: Plan, blocks: BlockTables, alloc: PageAllocator) -> Extension:
-    """Allocate the pages of a checked plan (not a NewRow) into the block tables, copies first, and
-    grow the rows; returns the new slots. Cannot fail: the plan was checked against the pages
-    available, and the tables were made wide enough."""
-    change = plan.change
-    if isinstance(change, OneRow):
-        return _place_one(change, plan.num_new, blocks, alloc)
-    if isinstance(change, Decode):
-        rows, tables, size = change.rows, blocks.tables, blocks.page_size
-        slots = np.empty(len(rows), dtype=np.int64)
-        new = alloc.allocate(plan.num_new)
-        batching.decode_apply(tables, tables.shape[1], blocks.lengths, blocks.num_pages, rows, new, size, slots)
-        return Extension(slots, range(len(rows) + 1), [])
-    assert isinstance(change, Rows)
-    return _place_rows(change, plan.num_new, blocks, alloc)
-
-
-def _place_one(change: OneRow, num_new: int, blocks: BlockTables, alloc: PageAllocator) -> Extension:
-    row, old_pages, new_pages = change.row, change.old_pages, change.new_pages
-    copies = []
-    if change.copy:
-        pages = alloc.allocate(num_new)
-        src = int(blocks.tables[row, old_pages - 1])
-        blocks.tables[row, old_pages - 1] = pages[0]
-        copies.append((src, int(pages[0])))
-        alloc.release(np.array([src], dtype=np.int64))
-        blocks.tables[row, old_pages:new_pages] = pages[1:]
-    else:  # straight into the block table
-        alloc.allocate_into(blocks.tables[row, old_pages:new_pages])
-    blocks.lengths[row], blocks.num_pages[row] = change.old_len + change.count, new_pages
-    return Extension(blocks.row_slots(row, change.old_len, change.count), [0, change.count], copies)
-
-
-def _place_rows(change: Rows, num_new: int, blocks: BlockTables, alloc: PageAllocator) -> Extension:
-    rows, old_pages, cow = change.rows, change.old_pages, change.copies
-    pages = alloc.allocate(num_new)  # the copies' pages first, then the grown ones in row order
-    copies: list[tuple[int, int]] = []
-    if cow:
-        cow_rows, cols = rows[cow], old_pages[cow] - 1
-        src = blocks.tables[cow_rows, cols].astype(np.int64)
-        blocks.tables[cow_rows, cols] = pages[: len(cow)]
-        copies = list(zip(src.tolist(), pages[: len(cow)].tolist()))
-        for page in src.tolist():  # one by one: two rows may drop the same page
-            alloc.release(np.array([page], dtype=np.int64))
-    num_grow = num_new - len(cow)
-    if num_grow:
-        grow = change.new_pages - old_pages
-        g_idx = np.nonzero(grow)[0]
-        g_cnt = grow[g_idx]
-        seq_of = np.repeat(g_idx, g_cnt)
-        within = np.arange(num_grow) - np.repeat(np.cumsum(g_cnt) - g_cnt, g_cnt)
-        blocks.tables[rows[seq_of], old_pages[seq_of] + within] = pages[len(cow) :]
-    blocks.lengths[rows] = change.old_len + change.counts
-    blocks.num_pages[rows] = change.new_pages
-    slots = blocks.slots_of(rows, change.old_len, change.counts)
-    return Extension(slots, [0, *np.cumsum(change.counts).tolist()], copies)
 
 
 # -- token ids: converted and checked while planning, so a bad id fails the whole call ---------------

@@ -24,11 +24,11 @@ from service.core.allocator import PageAllocator
 from service.core.block_tables import BlockTables
 from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded
 from service.core.plan import (
+    NO_PAGES,
     NewRow,
     Plan,
     checked_data,
     checked_token_data,
-    place,
     plan_new,
     plan_one,
     plan_rows,
@@ -38,8 +38,6 @@ from service.core.records import Append, Extension, Sequence, Stats, StepResult
 from service.core.registry import Registry
 
 __all__ = ["Sequence", "SequenceTable", "Stats", "StepResult"]
-
-NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 class SequenceTable:
@@ -214,11 +212,12 @@ class SequenceTable:
             more = plan.num_held
             msg = f"tenant {plan.tenant!r} holds {held} pages; {more} more would pass its quota of {limit}"
             raise QuotaExceeded(msg)
-        if plan.num_new > self.allocator.num_available:
-            self.stats.allocation_failures += 1
-            raise OutOfPages(plan.num_new, self.allocator.num_available)
-        if plan.num_new > self.allocator.num_free:
-            plan.num_evictions = plan.num_new - self.allocator.num_free
+        if plan.num_new:  # (a new sequence on shared pages takes none)
+            alloc = self.allocator
+            if plan.num_new > alloc.num_available:
+                self.stats.allocation_failures += 1
+                raise OutOfPages(plan.num_new, alloc.num_available)
+            plan.num_evictions = max(0, plan.num_new - alloc.num_free)
         plan.generation = self._generation
         return plan
 
@@ -229,31 +228,18 @@ class SequenceTable:
         self._generation += 1
         change = plan.change
         self._tenant_pages[plan.tenant] = self._tenant_pages.get(plan.tenant, 0) + plan.num_held
-        if isinstance(change, NewRow):  # its pages sat in a block table before: they fit the width
-            return self._start_row(change)
+        if isinstance(change, NewRow):  # a fork or a prefix hit: nothing appended, nothing to commit
+            ext = change.place(plan.num_new, self.blocks, self.allocator)  # (its pages fit: they sat in a row)
+            self.registry.add(change.seq)
+            return ext
         self.blocks.ensure_width(plan.most_pages)
         self.prefixes.commit_changed(change)  # the pages of earlier appends are written by now
-        ext = place(plan, self.blocks, self.allocator)
+        ext = change.place(plan.num_new, self.blocks, self.allocator)
         self.stats.tokens_appended += plan.num_tokens
         self.prefixes.record(change)
         if data_written:
             self.prefixes.commit_changed(change)
         return ext
-
-    def _start_row(self, change: NewRow) -> Extension:
-        """A NewRow's row, holding its shared pages, and its record in the registry."""
-        b, seq, pages = self.blocks, change.seq, change.pages
-        row = seq.row = b.take_row()
-        if len(pages):  # (a row taken is empty but for tokens_known)
-            if change.from_cache:
-                self.allocator.acquire_cached(pages)  # type: ignore[arg-type]  # takes any int sequence
-            else:
-                self.allocator.retain(pages)
-            b.tables[row, : len(pages)] = pages
-            b.lengths[row], b.num_pages[row], b.num_hashed[row] = change.length, len(pages), change.num_hashed
-        b.tokens_known[row] = change.tokens_known
-        self.registry.add(seq)
-        return Extension(NO_PAGES, [0], [])
 
     def free(self, seq_id: str, tenant: str = "") -> int:
         """Release a sequence; returns how many of its pages became unreferenced."""
