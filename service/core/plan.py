@@ -8,7 +8,7 @@ SequenceTable.check() holds a plan against the quota and the pages available, an
 SequenceTable.apply() carries it out, which cannot fail; the page work of apply is the place()
 method of each shape of change.
 
-Three shapes of change, so that each common case costs only what it must:
+Four shapes of change, so that each common case costs only what it must:
   OneRow   one row grows (a prompt, or one sequence's append): scalar arithmetic, since numpy
            calls on 1-element arrays cost about as much as the whole append;
   Decode   one token on each of several rows, none copying a page: the new position's page is
@@ -146,6 +146,9 @@ class NewRow:
 
 @dataclass(slots=True, eq=False)
 class Plan:
+    """Everything an operation takes: made by a plan_*() function, stamped by SequenceTable.check(),
+    carried out by SequenceTable.apply()."""
+
     tenant: str
     change: OneRow | Decode | Rows | NewRow
     num_held: int  # pages the tenant holds more afterwards, grown plus shared: the quota's measure
@@ -159,6 +162,7 @@ class Plan:
 
 
 def plan_one(blocks: BlockTables, alloc: PageAllocator, row: int, count: int, data: bytes | None, tenant: str) -> Plan:
+    """`count` tokens more on `row` (data: their checked int64 bytes, or None)."""
     size = blocks.page_size
     old_len, old_pages = int(blocks.lengths[row]), int(blocks.num_pages[row])
     new_pages = -(-(old_len + count) // size)

@@ -172,13 +172,13 @@ class SequenceTable:
         columns = None if reg.num_leased else batching.unzip_appends(reg.by_tenant.get(tenant, {}), appends)
         if columns is None:
             ids, counts, token_lists = (list(c) for c in zip(*appends)) if appends else ([], [], [])
-            rows, distinct = self.registry.rows(ids, tenant), len(set(ids)) == len(ids)
+            rows, distinct = reg.rows(ids, tenant), len(set(ids)) == len(ids)
         else:
             ids, counts, token_lists, raw_rows, distinct = columns
             rows = np.frombuffer(raw_rows, dtype=np.int64)
         if not distinct:
             raise InvalidRequest("a sequence may appear only once in the appends of a step")
-        listed = rows if seq_ids is None else self.registry.rows(seq_ids, tenant)
+        listed = rows if seq_ids is None else reg.rows(seq_ids, tenant)
         before = self.blocks.lengths[listed].astype(np.uint32)
         token_data = checked_token_data(counts, token_lists)
         ext = self.apply(self.check(plan_rows(self.blocks, self.allocator, rows, counts, token_data, tenant)))
