@@ -207,11 +207,11 @@ class SequenceTable:
     def check(self, plan: Plan) -> Plan:
         """`plan`, if the tenant's quota and the pages available allow it; otherwise QuotaExceeded or
         OutOfPages (counted in stats.allocation_failures), and nothing changed."""
-        limit, held = self.max_pages_per_tenant, self._tenant_pages.get(plan.tenant, 0)
-        if limit and plan.num_held > 0 and held + plan.num_held > limit:
-            more = plan.num_held
-            msg = f"tenant {plan.tenant!r} holds {held} pages; {more} more would pass its quota of {limit}"
-            raise QuotaExceeded(msg)
+        limit, more = self.max_pages_per_tenant, plan.num_held
+        if limit and more > 0 and (held := self._tenant_pages.get(plan.tenant, 0)) + more > limit:
+            raise QuotaExceeded(
+                f"tenant {plan.tenant!r} holds {held} pages; {more} more would pass its quota of {limit}"
+            )
         if plan.num_new:  # (a new sequence on shared pages takes none)
             alloc = self.allocator
             if plan.num_new > alloc.num_available:
