@@ -2,7 +2,8 @@
 
 `tables[row, col]` holds a sequence's pages and the sentinel everywhere past them, so the lookup
 table of a batch is one gather of rows and never needs a fill. The width is kept at
-lut_columns(longest table) or more, so every LUT slice fits.
+lut_columns(longest table) or more, so every LUT slice fits. The arrays are replaced when they
+grow: hold the BlockTables, not an array read from it.
 """
 
 import numpy as np
@@ -23,9 +24,10 @@ class BlockTables:
         self.num_hashed = np.zeros(cap, dtype=np.int64)  # leading pages committed to the prefix cache
         self.tokens_known = np.zeros(cap, dtype=np.bool_)  # every token id appended so far is known
         self._free_rows: list[int] = list(range(cap - 1, -1, -1))
-        self._fits = 16  # rows of this many pages fit the width (see _ensure_width)
+        self._fits = 16  # rows of this many pages fit the width (see ensure_width)
 
-    def _take_row(self) -> int:
+    def take_row(self) -> int:
+        """An empty row: no pages, length 0, nothing hashed; its tokens_known is the caller's to set."""
         if not self._free_rows:
             old = len(self.lengths)
             self.tables = np.concatenate([self.tables, np.full_like(self.tables, self.sentinel)])
@@ -35,13 +37,14 @@ class BlockTables:
             self._free_rows.extend(range(2 * old - 1, old - 1, -1))
         return self._free_rows.pop()
 
-    def _release_row(self, row: int, num_pages: int) -> None:
-        """Row `row` back to the free rows, emptied; num_pages: its page count."""
-        self.tables[row, :num_pages] = self.sentinel
+    def release_row(self, row: int) -> None:
+        """Row `row` back to the free rows, emptied."""
+        self.tables[row, : self.num_pages[row]] = self.sentinel
         self.lengths[row] = self.num_pages[row] = self.num_hashed[row] = 0
         self._free_rows.append(row)
 
-    def _ensure_width(self, max_pages: int) -> None:
+    def ensure_width(self, max_pages: int) -> None:
+        """Widen the matrix (never narrowed) so that rows of `max_pages` pages and their LUT fit."""
         if max_pages <= self._fits:  # the common case, without computing any width
             return
         need = lut_columns(max_pages)

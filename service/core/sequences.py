@@ -1,31 +1,46 @@
 """Sequences and their block tables, on top of the page allocator.
 
-Lengths, page counts and hashing progress are numpy arrays indexed by row (service.core.block_tables),
-so a decode step over hundreds of sequences costs a handful of vector operations and one dict probe
-per sequence, not a Python loop per page.
+Every operation that takes pages (create with a prefix hit, fork, append, step) is planned, then
+applied: a plan (service.core.plan) works out everything the operation takes, check() holds it
+against the tenant's quota and the pages available, raising before anything changes, and apply()
+carries it out and cannot fail. The quota, the failure count, the commit of written pages to the
+prefix cache, the tenant's page count and the token count therefore each happen in one place.
 
-Every public operation checks everything first and changes nothing when a check fails.
+Prefix-cache commits happen when a page's K/V is known to be written: at an append with
+data_written, at the next append or step naming the sequence, or at free. Leases renew on every
+call naming a sequence (service.core.registry). Lengths, page counts and hashing progress live in
+numpy arrays indexed by row (service.core.block_tables), so a decode step over hundreds of
+sequences costs a handful of vector operations and one dict probe per sequence.
 """
 
 import math
 import time
-import uuid
-from array import array
 from collections.abc import Callable
 
 import numpy as np
 
 from service.core import batching
 from service.core.allocator import PageAllocator
-from service.core.appends import AppendingTables, checked_token_bytes
-from service.core.errors import InvalidRequest, SequenceExists, SequenceNotFound
-from service.core.hashing import root_hash
+from service.core.block_tables import BlockTables
+from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded
+from service.core.plan import (
+    NO_PAGES,
+    NewRow,
+    Plan,
+    checked_data,
+    checked_token_data,
+    plan_new,
+    plan_one,
+    plan_rows,
+)
+from service.core.prefixes import Prefixes
 from service.core.records import Append, Extension, Sequence, Stats, StepResult
+from service.core.registry import Registry
 
 __all__ = ["Sequence", "SequenceTable", "Stats", "StepResult"]
 
 
-class SequenceTable(AppendingTables):
+class SequenceTable:
     def __init__(
         self,
         allocator: PageAllocator,
@@ -33,53 +48,51 @@ class SequenceTable(AppendingTables):
         max_pages_per_tenant: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(allocator.num_pages, page_size)
         self.allocator = allocator
+        self.page_size = page_size
+        self.sentinel = allocator.num_pages
+        self.blocks = BlockTables(self.sentinel, page_size)
         self.clock = clock  # leases: expires_at is on this clock
-        self._num_leased = 0
+        self.registry = Registry(clock)
+        self.prefixes = Prefixes(allocator, self.blocks, self.registry.of_row)
         self.max_pages_per_tenant = max_pages_per_tenant
         self.stats = Stats()
-        self._by_tenant: dict[str, dict[str, Sequence]] = {}
-        self._num_seqs = 0
-        self._seq_of_row: list[Sequence | None] = [None] * len(self.lengths)
         self._tenant_pages: dict[str, int] = {}
-        self._roots: dict[str, bytes] = {}
+        self._generation = 0  # changes applied: a plan is made on one state and applied to it
 
     # -- lookups ------------------------------------------------------------------------------
+    @property
+    def tables(self) -> np.ndarray:
+        """uint32 [rows, width]: each row's pages, then the sentinel."""
+        return self.blocks.tables
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.blocks.lengths
+
+    @property
+    def num_pages(self) -> np.ndarray:
+        return self.blocks.num_pages
+
     def __len__(self) -> int:
-        return self._num_seqs
+        return len(self.registry)
 
     def get(self, seq_id: str, tenant: str = "") -> Sequence:
-        seq = self._by_tenant.get(tenant, {}).get(seq_id)
-        if seq is None:
-            raise SequenceNotFound(seq_id)
-        if seq.ttl_s:  # every call naming a sequence renews its lease (see expire())
-            seq.expires_at = self.clock() + seq.ttl_s
-        return seq
-
-    def _rows(self, seq_ids: list[str], tenant: str) -> np.ndarray:
-        """Rows of `seq_ids` (one dict probe each), or SequenceNotFound for the first unknown one."""
-        seqs = self._by_tenant.get(tenant, {})
-        try:
-            if not self._num_leased:
-                return np.array([seqs[s].row for s in seq_ids], dtype=np.int64)
-            found = [seqs[s] for s in seq_ids]
-        except KeyError as exc:
-            raise SequenceNotFound(str(exc.args[0])) from None
-        now = self.clock()
-        for seq in found:  # renew leases, as get() does
-            if seq.ttl_s:
-                seq.expires_at = now + seq.ttl_s
-        return np.array([seq.row for seq in found], dtype=np.int64)
+        """The sequence `seq_id` of `tenant` (SequenceNotFound if none), its lease renewed."""
+        return self.registry.get(seq_id, tenant)
 
     def sequences(self) -> list[Sequence]:
-        return [s for seqs in self._by_tenant.values() for s in seqs.values()]
+        return self.registry.all()
 
     def length(self, seq: Sequence) -> int:
-        return int(self.lengths[seq.row])
+        return int(self.blocks.lengths[seq.row])
 
     def block_table(self, seq: Sequence) -> list[int]:
-        return self.tables[seq.row, : self.num_pages[seq.row]].tolist()
+        return self.blocks.tables[seq.row, : self.blocks.num_pages[seq.row]].tolist()
+
+    def lookup_table(self, rows: np.ndarray) -> np.ndarray:
+        """uint32 [len(rows), lut_columns(max pages)]: pages, then the sentinel everywhere else."""
+        return self.blocks.lookup_table(rows)
 
     def tenant_pages(self, tenant: str) -> int:
         return self._tenant_pages.get(tenant, 0)
@@ -92,16 +105,16 @@ class SequenceTable(AppendingTables):
         are all used pages full minus the empty tail of each distinct partial last page. Unlike a
         sum of sequence lengths, this counts pages shared by forks or prefix hits once.
         """
-        size = self.page_size
+        size, b = self.page_size, self.blocks
         rows = np.array([s.row for s in self.sequences()], dtype=np.int64)
-        lengths = self.lengths[rows]
+        lengths = b.lengths[rows]
         partial = np.nonzero(lengths % size)[0]
-        tails = self.tables[rows[partial], self.num_pages[rows[partial]] - 1].astype(np.int64)
+        tails = b.tables[rows[partial], b.num_pages[rows[partial]] - 1].astype(np.int64)
         _, first = np.unique(tails, return_index=True)
         empty_slots = int((size - lengths[partial][first] % size).sum())
         return self.allocator.num_used * size - empty_slots
 
-    # -- create / fork / free -----------------------------------------------------------------
+    # -- operations: plan, check, apply -------------------------------------------------------
     def create(
         self, seq_id: str | None = None, token_ids: list[int] | None = None, tenant: str = "", ttl_s: float = 0.0
     ) -> Sequence:
@@ -111,96 +124,33 @@ class SequenceTable(AppendingTables):
         """
         if not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise InvalidRequest(f"ttl_s must be a finite number >= 0, not {ttl_s}")
-        seq_id = self._new_id(seq_id, tenant)
-        hits, last_hash, data = self._match_prefix(token_ids or [], tenant)
-        self._check_quota(tenant, len(hits))
-        row = self._take_row()  # no pages, length 0
+        seq_id = self.registry.new_id(seq_id, tenant)
+        hits, last_hash, tokens = self.prefixes.match(token_ids or [], tenant)
         num_cached = len(hits) * self.page_size
-        tokens = array("q")
-        if hits:
-            self.allocator.acquire_cached(hits)
-            self.tables[row, : len(hits)] = hits
-            self.lengths[row] = num_cached
-            self.num_pages[row] = self.num_hashed[row] = len(hits)
-            tokens.frombytes(data[: num_cached * 8])  # little-endian int64, as array("q") is here
-        self.tokens_known[row] = True
-        seq = Sequence(seq_id, tenant, row, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
-        self._add(seq, len(hits))
+        seq = Sequence(seq_id, tenant, -1, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
+        pages = np.array(hits, dtype=np.int64) if hits else NO_PAGES
+        self.apply(self.check(plan_new(NewRow(seq, pages, True, num_cached, len(hits), True))))
         if token_ids:
             self.stats.prefix_query_tokens += len(token_ids)
             self.stats.prefix_hit_tokens += num_cached
         return seq
 
-    def _match_prefix(self, token_ids: list[int], tenant: str) -> tuple[list[int], bytes, bytes]:
-        """(cached pages starting the prompt, hash of the last one, the token bytes of at least those)."""
-        root = self._roots.get(tenant) or self._roots.setdefault(tenant, root_hash(tenant))
-        max_hits = (len(token_ids) - 1) // self.page_size  # never cover the last prompt token
-        if not self.allocator.enable_prefix_caching or max_hits <= 0:
-            return [], root, b""
-        # Convert the first page alone: most prompts miss there, and then the rest needs no bytes.
-        size, nbytes = self.page_size, self.page_size * 8
-        data = checked_token_bytes(token_ids[:size])
-        pages, last = self.allocator.match(root, data, nbytes)
-        if pages and max_hits > 1:
-            rest = checked_token_bytes(token_ids[size : max_hits * size])
-            more, last = self.allocator.match(last, rest, nbytes)
-            pages += more
-            data += rest
-        return pages, last, data
-
     def fork(self, parent_id: str, child_id: str | None = None, tenant: str = "") -> Sequence:
         """A new sequence sharing every page of the parent (copy-on-write of a partial last page)."""
-        parent = self.get(parent_id, tenant)
-        child_id = self._new_id(child_id, tenant)
-        src = parent.row
-        num = int(self.num_pages[src])
-        self._check_quota(tenant, num)
-        row = self._take_row()
-        self.tables[row] = self.tables[src]
-        for arr in (self.lengths, self.num_pages, self.num_hashed, self.tokens_known):
-            arr[row] = arr[src]
-        self.allocator.retain(self.tables[row, :num].astype(np.int64))
+        parent = self.registry.get(parent_id, tenant)
+        child_id = self.registry.new_id(child_id, tenant)
+        src, b = parent.row, self.blocks
+        num = int(b.num_pages[src])
         tokens = parent.tokens[:] if parent.tokens is not None else None
         # The lease is inherited (get() above just renewed the parent's).
         child = Sequence(
-            child_id, tenant, row, tokens, parent.last_hash, parent.cached_tokens, parent.ttl_s, parent.expires_at
+            child_id, tenant, -1, tokens, parent.last_hash, parent.cached_tokens, parent.ttl_s, parent.expires_at
         )
-        self._add(child, num)
+        pages = b.tables[src, :num].astype(np.int64)
+        change = NewRow(child, pages, False, int(b.lengths[src]), int(b.num_hashed[src]), bool(b.tokens_known[src]))
+        self.apply(self.check(plan_new(change)))
         return child
 
-    def free(self, seq_id: str, tenant: str = "") -> int:
-        """Release a sequence; returns how many of its pages became unreferenced."""
-        seq = self.get(seq_id, tenant)
-        row = seq.row
-        if seq.tokens is not None and self.allocator.enable_prefix_caching:
-            self._commit_upto(seq, int(self.lengths[row]) // self.page_size)
-        num = int(self.num_pages[row])
-        freed = self.allocator.release(self.tables[row, :num][::-1])  # tail first
-        self._release_row(row, num)
-        self._seq_of_row[row] = None
-        del self._by_tenant[tenant][seq_id]
-        self._num_seqs -= 1
-        self._num_leased -= bool(seq.ttl_s)
-        self._tenant_pages[tenant] -= num
-        return freed
-
-    def _new_id(self, seq_id: str | None, tenant: str) -> str:
-        if seq_id is None:
-            return uuid.uuid4().hex
-        if seq_id in self._by_tenant.get(tenant, {}):
-            raise SequenceExists(seq_id)
-        return seq_id
-
-    def _add(self, seq: Sequence, num_pages: int) -> None:
-        self._by_tenant.setdefault(seq.tenant, {})[seq.seq_id] = seq
-        if len(self._seq_of_row) < len(self.lengths):
-            self._seq_of_row.extend([None] * (len(self.lengths) - len(self._seq_of_row)))
-        self._seq_of_row[seq.row] = seq
-        self._num_seqs += 1
-        self._num_leased += bool(seq.ttl_s)
-        self._tenant_pages[seq.tenant] = self._tenant_pages.get(seq.tenant, 0) + num_pages
-
-    # -- append / step ------------------------------------------------------------------------
     def append(
         self,
         seq_id: str,
@@ -210,29 +160,33 @@ class SequenceTable(AppendingTables):
         tenant: str = "",
     ) -> tuple[Sequence, Extension]:
         """Slots for num_tokens more tokens. data_written: their K/V is in the pool already."""
-        seq = self.get(seq_id, tenant)
-        return seq, self._extend_one(seq, num_tokens, token_ids, tenant, data_written)
+        seq = self.registry.get(seq_id, tenant)
+        data = checked_data(num_tokens, token_ids)
+        plan = plan_one(self.blocks, self.allocator, seq.row, num_tokens, data, tenant)
+        return seq, self.apply(self.check(plan), data_written)
 
     def step(self, appends: list[Append], seq_ids: list[str] | None = None, tenant: str = "") -> StepResult:
         """All appends or none, then the lookup table of `seq_ids` (default: the appended ones)."""
-        # Leases renew on every call naming a sequence: _rows() does that; without any, one C pass.
-        columns = None if self._num_leased else batching.unzip_appends(self._by_tenant.get(tenant, {}), appends)
+        # Leases renew on every call naming a sequence: rows() does that; without any, one C pass.
+        reg = self.registry
+        columns = None if reg.num_leased else batching.unzip_appends(reg.by_tenant.get(tenant, {}), appends)
         if columns is None:
             ids, counts, token_lists = (list(c) for c in zip(*appends)) if appends else ([], [], [])
-            rows, distinct = self._rows(ids, tenant), len(set(ids)) == len(ids)
+            rows, distinct = reg.rows(ids, tenant), len(set(ids)) == len(ids)
         else:
             ids, counts, token_lists, raw_rows, distinct = columns
             rows = np.frombuffer(raw_rows, dtype=np.int64)
         if not distinct:
             raise InvalidRequest("a sequence may appear only once in the appends of a step")
-        listed = rows if seq_ids is None else self._rows(seq_ids, tenant)
-        before = self.lengths[listed].astype(np.uint32)
-        ext = self._extend(rows, counts, token_lists, tenant)
+        listed = rows if seq_ids is None else reg.rows(seq_ids, tenant)
+        before = self.blocks.lengths[listed].astype(np.uint32)
+        token_data = checked_token_data(counts, token_lists)
+        ext = self.apply(self.check(plan_rows(self.blocks, self.allocator, rows, counts, token_data, tenant)))
         if seq_ids is None:
             input_lengths, new_slots = counts, ext.slots
         else:
             # Pages written before this step only: the data of the pages appended now comes after it.
-            self._commit_pending(listed, before)
+            self.prefixes.commit_rows(listed, before)
             index = {seq_id: i for i, seq_id in enumerate(ids)}
             offs, parts, input_lengths = ext.offsets, [], []
             for seq_id in seq_ids:
@@ -243,44 +197,86 @@ class SequenceTable(AppendingTables):
             new_slots = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         return StepResult(
             seq_ids=ids if seq_ids is None else list(seq_ids),
-            lookup_table=self.lookup_table(listed),
+            lookup_table=self.blocks.lookup_table(listed),
             cache_lengths=before,
             input_lengths=input_lengths,
             new_slots=new_slots,
             copies=ext.copies,
         )
 
+    def check(self, plan: Plan) -> Plan:
+        """`plan`, if the tenant's quota and the pages available allow it; otherwise QuotaExceeded or
+        OutOfPages (counted in stats.allocation_failures), and nothing changed."""
+        limit, more = self.max_pages_per_tenant, plan.num_held
+        if limit and more > 0 and (held := self._tenant_pages.get(plan.tenant, 0)) + more > limit:
+            raise QuotaExceeded(
+                f"tenant {plan.tenant!r} holds {held} pages; {more} more would pass its quota of {limit}"
+            )
+        if plan.num_new:  # (a new sequence on shared pages takes none)
+            alloc = self.allocator
+            if plan.num_new > alloc.num_available:
+                self.stats.allocation_failures += 1
+                raise OutOfPages(plan.num_new, alloc.num_available)
+            plan.num_evictions = max(0, plan.num_new - alloc.num_free)
+        plan.generation = self._generation
+        return plan
+
+    def apply(self, plan: Plan, data_written: bool = False) -> Extension:
+        """Carry out a checked plan on the state it was made on; nothing here can fail.
+        data_written: the appended tokens' K/V is in the pool already, so their full pages are committed."""
+        assert plan.generation == self._generation, "a plan applies only to the state it was checked on"
+        self._generation += 1
+        change = plan.change
+        self._tenant_pages[plan.tenant] = self._tenant_pages.get(plan.tenant, 0) + plan.num_held
+        if isinstance(change, NewRow):  # a fork or a prefix hit: nothing appended, nothing to commit
+            ext = change.place(plan.num_new, self.blocks, self.allocator)  # (its pages fit: they sat in a row)
+            self.registry.add(change.seq)
+            return ext
+        self.blocks.ensure_width(plan.most_pages)
+        self.prefixes.commit_changed(change)  # the pages of earlier appends are written by now
+        ext = change.place(plan.num_new, self.blocks, self.allocator)
+        self.stats.tokens_appended += plan.num_tokens
+        self.prefixes.record(change)
+        if data_written:
+            self.prefixes.commit_changed(change)
+        return ext
+
+    def free(self, seq_id: str, tenant: str = "") -> int:
+        """Release a sequence; returns how many of its pages became unreferenced."""
+        seq = self.registry.get(seq_id, tenant)
+        row, b = seq.row, self.blocks
+        if seq.tokens is not None:  # its pages are written by now
+            self.prefixes.commit_upto(seq, int(b.lengths[row]) // self.page_size)
+        num = int(b.num_pages[row])
+        freed = self.allocator.release(b.tables[row, :num][::-1])  # tail first
+        b.release_row(row)
+        self.registry.remove(seq)
+        self._tenant_pages[tenant] -= num
+        self._generation += 1
+        return freed
+
+    # -- attention and leases -----------------------------------------------------------------
     def attention_batch(
         self, seq_ids: list[str], q_lens: list[int], tenant: str = ""
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For queries at the last q_lens positions of each sequence: (lookup table, cache lengths,
         slots of the query positions)."""
-        rows = self._rows(seq_ids, tenant)
+        rows = self.registry.rows(seq_ids, tenant)
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidRequest("seq_ids must be distinct")
-        lens = self.lengths[rows]
+        lens = self.blocks.lengths[rows]
         counts = np.asarray(q_lens, dtype=np.int64)
         too_long = np.nonzero(counts > lens)[0]
         if len(too_long):
             i = int(too_long[0])
             raise InvalidRequest(f"q_len {int(counts[i])} exceeds the length {int(lens[i])} of sequence {seq_ids[i]!r}")
         cache_lengths = lens - counts
-        return self.lookup_table(rows), cache_lengths, self.slots_of(rows, cache_lengths, counts)
+        return self.blocks.lookup_table(rows), cache_lengths, self.blocks.slots_of(rows, cache_lengths, counts)
 
-    # -- leases -------------------------------------------------------------------------------
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Free, through free(), every leased sequence whose lease ran out by `now` (on self.clock);
-        returns their (tenant, seq_id) in no particular order.
-
-        Renewal is one clock read and one float store per leased sequence named by a call (none at
-        all while no sequence has a lease); finding the expired ones is a scan here instead, one
-        comparison per live sequence, run by the sweeper about once a second (~60 µs per 1,000
-        sequences, measured). A heap would make every renewal a push on the hot path to speed up
-        the once-a-second path.
-        """
-        if not self._num_leased:
-            return []
-        expired = [s for s in self.sequences() if s.ttl_s and s.expires_at <= now]
+        returns their (tenant, seq_id) in no particular order."""
+        expired = self.registry.expired(now)
         for seq in expired:
             self.free(seq.seq_id, seq.tenant)
         self.stats.sequences_expired += len(expired)

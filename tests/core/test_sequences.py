@@ -8,9 +8,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from service.core import prefix_index
+from service.core import batching, prefix_index
 from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceExists, SequenceNotFound
 from service.core.hashing import root_hash, token_bytes
+from service.core.plan import Decode, OneRow, Plan, Rows, plan_rows
 from service.core.sequences import SequenceTable
 from tests.core.conftest import use_python_prefix_index
 from tests.core.helpers import make_table, prefix_hashes, snapshot
@@ -168,6 +169,61 @@ def test_out_of_pages_for_the_copy_on_write_of_a_fork_changes_nothing() -> None:
     t.free("filler")
     _, ext = t.append("c", 1)
     assert ext.copies == [(1, 7)] and table_of(t, "c") == [0, 7]  # the filler's tail came back first
+
+
+# -- plan, then apply --------------------------------------------------------------------------------
+def test_a_plan_changes_nothing_and_applying_it_does_what_it_said() -> None:
+    t = make_table()
+    fill(t, "x", 8, P10[:8])
+    t.free("x")  # pages 1, 0 cached, in that order of eviction
+    fill(t, "a", 6)  # [2, 3]: page 3 half full
+    t.fork("a", "c")  # shares it
+    fill(t, "f", 16)  # [4, 5, 6, 7]: no free page left
+    rows = np.array([t.get("a").row, t.get("c").row])
+    before = snapshot(t)
+    plan = t.check(plan_rows(t.blocks, t.allocator, rows, [3, 1], [None, None], ""))
+    assert snapshot(t) == before
+    # a opens a page and copies the shared one (c, its last holder appending, keeps it): two
+    # pages, both evicted from the prefix cache; the tenant holds one page more.
+    assert isinstance(plan.change, Rows) and plan.change.copies == [0]
+    assert (plan.num_new, plan.num_evictions, plan.copy_sources) == (2, 2, [3])
+    assert (plan.num_held, plan.num_tokens, plan.most_pages) == (1, 4, 3)
+    ext = t.apply(plan)
+    assert ext.copies == [(3, 0)] and ext.slots.tolist() == [2, 3, 4, 14]
+    assert table_of(t, "a") == [2, 0, 1] and table_of(t, "c") == [2, 3]
+    assert t.allocator.num_evictions == 2 and t.tenant_pages("") == 9 and t.stats.tokens_appended == 34
+
+
+def test_each_kind_of_append_plans_its_own_shape() -> None:
+    t = make_table(16, 4)
+    fill(t, "a", 5)
+    fill(t, "b", 4)
+    fill(t, "d", 2)
+    t.fork("a", "c")  # a's partial page 1 is shared from here on
+
+    def planned(appends: list[tuple[str, int, list[int] | None]]) -> Plan:
+        rows = np.array([t.get(s).row for s, _, _ in appends], dtype=np.int64)
+        counts, tokens = [n for _, n, _ in appends], [ids for _, _, ids in appends]
+        return plan_rows(t.blocks, t.allocator, rows, counts, tokens, "")  # type: ignore[arg-type]
+
+    one = planned([("a", 3, None)])  # a step of one sequence: the scalar plan
+    assert isinstance(one.change, OneRow) and one.change.copy and (one.num_new, one.num_held) == (1, 0)
+    decode = planned([("b", 1, None), ("d", 1, None)])  # b opens a page, d fills its own
+    assert isinstance(decode.change, Decode) and (decode.num_new, decode.num_tokens) == (1, 2)
+    copying = planned([("a", 1, None), ("b", 1, None), ("c", 1, None)])  # a copies page 1, c keeps it
+    assert isinstance(copying.change, Rows) and copying.copy_sources == [1]
+    assert (copying.num_new, copying.num_held) == (2, 1)
+
+
+def test_a_plan_applies_only_to_the_state_it_was_checked_on() -> None:
+    t = make_table()
+    fill(t, "a", 3)
+    plan = t.check(plan_rows(t.blocks, t.allocator, np.array([t.get("a").row]), [2], [None], ""))
+    fill(t, "b", 1)
+    before = snapshot(t)
+    with pytest.raises(AssertionError, match="checked on"):
+        t.apply(plan)
+    assert snapshot(t) == before
 
 
 # -- fork and copy-on-write -----------------------------------------------------------------------
@@ -518,7 +574,6 @@ def test_the_decode_step_path_equals_the_general_one(seed: int, monkeypatch: pyt
     frees, a pool that fills up) on two tables; the second has the decode fast path turned off."""
     rng = np.random.default_rng(seed)
     fast, general = make_table(24, 4, max_pages_per_tenant=20), make_table(24, 4, max_pages_per_tenant=20)
-    monkeypatch.setattr(general, "_extend_decode", lambda *args: None)
     live: list[str] = []
 
     def both(call: Callable[..., object], *args: object) -> bool:
@@ -526,7 +581,10 @@ def test_the_decode_step_path_equals_the_general_one(seed: int, monkeypatch: pyt
         outcomes = []
         for t in (fast, general):
             try:
-                outcomes.append(call(t, *args))
+                with monkeypatch.context() as m:
+                    if t is general:  # no decode plan: every step takes the general one
+                        m.setattr(batching, "decode_plan", lambda *args: None)
+                    outcomes.append(call(t, *args))
             except (OutOfPages, QuotaExceeded, SequenceNotFound) as exc:
                 outcomes.append(type(exc))
         assert outcomes[0] == outcomes[1]

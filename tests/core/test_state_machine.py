@@ -7,25 +7,83 @@ any other token gets a unique marker. Each slot the core returns is written with
 just before that sequence's next operation, so a page cached before its data arrives is caught.
 After every rule, every live sequence must read back exactly its own tokens through its block
 table. A twin table receives only the operations that succeeded: failures must leave no trace.
+The table checks each plan it applies against what applying it did (PlanCheckingTable).
 """
 
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceNotFound
+from service.core.allocator import PageAllocator
+from service.core.errors import InvalidRequest, KVPoolError, OutOfPages, QuotaExceeded, SequenceNotFound
 from service.core.layout import lut_columns
+from service.core.plan import Decode, NewRow, OneRow, Plan, Rows
+from service.core.records import Extension
 from service.core.sequences import SequenceTable
 from tests.core.conftest import SWAPPED
-from tests.core.helpers import make_table, ref_counts_from_tables, snapshot
+from tests.core.helpers import ref_counts_from_tables, snapshot
 
 TENANTS = ("", "t")
 MAX_SEQUENCES = 8
 token_lists = st.lists(st.integers(0, 1), max_size=9)  # a tiny vocabulary: prefixes repeat often
 mostly_true = st.sampled_from([True, True, True, False])  # token ids known: pages get hashed
+
+
+def plan_kind(plan: Plan) -> str:
+    change = plan.change
+    if isinstance(change, NewRow):
+        if not change.from_cache:
+            return "fork"
+        return "create with a hit" if len(change.pages) else "create"
+    kind = {OneRow: "one row", Decode: "decode step", Rows: "rows"}[type(change)]
+    return kind + (" with copies" if plan.copy_sources else "") + (" evicting" if plan.num_evictions else "")
+
+
+class PlanCheckingTable(SequenceTable):
+    """A SequenceTable that checks every plan it applies against what applying it did: the pages
+    handed out (each unreferenced before, now held once), the cached ones among them (evictions),
+    the copy sources, the tenant's pages and the tokens; and counts the kinds of plans it saw
+    checked, applied and refused (kinds: a class-level Counter, for the coverage test)."""
+
+    kinds: ClassVar[Counter[str]] = Counter()
+
+    def check(self, plan: Plan) -> Plan:
+        try:
+            checked = super().check(plan)
+        except KVPoolError as exc:
+            self.kinds[f"{plan_kind(plan)}: {exc.code}"] += 1
+            raise
+        self.kinds[plan_kind(checked)] += 1
+        return checked
+
+    def apply(self, plan: Plan, data_written: bool = False) -> Extension:
+        a, change = self.allocator, plan.change
+        rows = [] if isinstance(change, NewRow) else [change.row] if isinstance(change, OneRow) else change.rows
+        old_tables = {row: self.tables[row, : self.num_pages[row]].tolist() for row in rows}
+        refs, cached = a.ref_count.copy(), set(a.cached_pages())
+        evictions, held = a.num_evictions, self.tenant_pages(plan.tenant)
+        tokens = self.stats.tokens_appended
+        ext = super().apply(plan, data_written)
+        handed_out = [dst for _, dst in ext.copies]
+        for row, old in old_tables.items():
+            handed_out += self.tables[row, len(old) : self.num_pages[row]].tolist()
+        assert len(handed_out) == len(set(handed_out)) == plan.num_new
+        assert all(refs[p] == 0 and a.ref_count[p] == 1 for p in handed_out)
+        assert sum(p in cached for p in handed_out) == plan.num_evictions == a.num_evictions - evictions
+        assert [src for src, _ in ext.copies] == plan.copy_sources
+        assert self.tenant_pages(plan.tenant) - held == plan.num_held
+        assert self.stats.tokens_appended - tokens == plan.num_tokens == len(ext.slots)
+        if isinstance(change, NewRow):
+            assert self.block_table(change.seq) == change.pages.tolist() and plan.num_held == len(change.pages)
+        return ext
+
+
+def make_table(num_pages: int, page_size: int, prefix_caching: bool, quota: int) -> SequenceTable:
+    return PlanCheckingTable(PageAllocator(num_pages, prefix_caching), page_size, quota)
 
 
 @dataclass
@@ -230,6 +288,19 @@ class PoolMachine(RuleBasedStateMachine):
                 assert slots == []
         self.check_lookup_table(rows, result.lookup_table)
 
+    @precondition(lambda self: len(self.seqs) >= 2)
+    @rule(index=st.integers(0, 99), with_ids=st.booleans(), data=st.data())
+    def decode_step(self, index: int, with_ids: bool, data: st.DataObject) -> None:
+        """One token for every live sequence of a tenant (the decode step's own plan), with token ids
+        or without, all written at once."""
+        tenant = self.seqs[self.pick(index)].tenant
+        appends: list[tuple[str, int, list[int] | None]] = [
+            (s, 1, [data.draw(st.integers(0, 1))] if with_ids else None)
+            for s, m in sorted(self.seqs.items())
+            if m.tenant == tenant
+        ]
+        self.run_step(appends, None, tenant, write_now=True)
+
     @precondition(lambda self: self.seqs and len(self.seqs) < MAX_SEQUENCES)
     @rule(index=st.integers(0, 99))
     def fork(self, index: int) -> None:
@@ -431,3 +502,38 @@ TestPoolWithQuota = PoolMachineWithQuota.TestCase
 TestPoolWithQuota.settings = settings(
     max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def test_the_machine_plans_every_kind_of_change_and_failure() -> None:
+    """The machines above would pass vacuously if they never reached a kind of plan: run them on
+    a fresh count and require every kind to have been checked, applied and refused for lack of pages."""
+    PlanCheckingTable.kinds.clear()
+    quick = settings(
+        max_examples=30,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,  # the same runs every time: a kind reached once is reached always
+    )
+    run_state_machine_as_test(PoolMachine, settings=quick)
+    run_state_machine_as_test(PoolMachineWithQuota, settings=quick)
+    seen = PlanCheckingTable.kinds
+    expected = [
+        "create",
+        "create with a hit",
+        "fork",
+        "one row",
+        "one row with copies",
+        "one row evicting",
+        "decode step",
+        "decode step evicting",
+        "rows",
+        "rows with copies",
+        "one row: out_of_pages",
+        "one row: quota_exceeded",
+        "decode step: out_of_pages",
+        "rows: out_of_pages",
+        "rows with copies: out_of_pages",
+        "fork: quota_exceeded",
+    ]  # (a prefix hit over the quota is rare here: test_sequences pins it)
+    assert [k for k in expected if not seen[k]] == [], dict(seen)
