@@ -1,6 +1,7 @@
 """Attention over the pool for the last q_len positions of each sequence."""
 
 import time
+from typing import Any
 
 import torch
 from fastapi import Request
@@ -42,7 +43,7 @@ async def attend(request: Request, pool: StateDep, tenant: TenantDep, metrics: M
     query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0)
     kernel = "decode" if max(q_lens, default=1) == 1 else "prefill"
 
-    def write_and_attend() -> torch.Tensor:  # on the device worker
+    def write_and_attend() -> dict[str, Any]:  # on the device worker, the encoding of `out` too (MBs of base64)
         if kv is not None:
             pool.engine.write(kv[0], kv[1], torch.from_numpy(slots), layer=body.layer)
         started = time.perf_counter()
@@ -57,7 +58,7 @@ async def attend(request: Request, pool: StateDep, tenant: TenantDep, metrics: M
             softcap=body.softcap,
         )
         metrics.observe_attention(kernel, pool.engine.backend, started)
-        return out
+        return encode(out)
 
     out = await pool.engine.submit(write_and_attend)  # no await since the bookkeeping: device work keeps its order
-    return json_response({"out": encode(out)})
+    return json_response({"out": out})
