@@ -20,24 +20,31 @@ M = TypeVar("M", bound=BaseModel)
 
 async def read_json(request: Request, model: type[M]) -> M:
     """The body validated as `model`; a missing body is a 422."""
-    body = await read_optional_json(request, model)
-    if body is None:
-        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    body = await parse(request, model, optional=False)
+    assert body is not None
     return body
 
 
 async def read_optional_json(request: Request, model: type[M]) -> M | None:
-    """The body validated as `model`, or None when the request has no body."""
+    """The body validated as `model`, or None for no body or a JSON null (documented as `model | null`)."""
+    return await parse(request, model, optional=True)
+
+
+async def parse(request: Request, model: type[M], optional: bool) -> M | None:
     try:
         raw = await request.body()
     except ClientDisconnect:
         # The client left mid-body: nobody reads the answer, but it must not be a 500 in the logs.
         raise HTTPException(400, "the client disconnected before the body arrived") from None
     if not raw:
-        return None
+        if optional:
+            return None
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     if not is_json(request.headers.get("content-type")):
         error = {"type": "content_type", "loc": ("body",), "input": None}
         raise RequestValidationError([{**error, "msg": "the body must be sent as Content-Type: application/json"}])
+    if optional and raw.strip() == b"null":
+        return None
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:

@@ -68,6 +68,7 @@ BAD_BODIES: list[tuple[str, str, bytes, dict[str, str], int, str, str]] = [
         "scale: Input should be a finite number",
     ),
     ("POST", "/v1/sequences", b"", JSON, 422, "invalid_request", "Field required"),
+    ("POST", "/v1/sequences", b"null", JSON, 422, "invalid_request", "Input should be an object"),
     ("POST", "/v1/sequences", b'{"seq_id": "e"}', {}, 422, "invalid_request", "the body must be sent as Content-Type"),
     (
         "POST",
@@ -104,6 +105,8 @@ def test_bad_bodies_get_the_envelope_and_change_nothing(start_server: Any) -> No
     r = c.post("/v1/sequences/b/fork", content=b'{"seq_id": "c"}', headers={"content-type": "Application/JSON; x=1"})
     assert r.status_code == 201 and r.json()["seq_id"] == "c"
     r = c.post("/v1/sequences/c/fork")  # no body: a generated id
+    assert r.status_code == 201 and len(r.json()["seq_id"]) == 32
+    r = c.post("/v1/sequences/c/fork", content=b" null", headers=JSON)  # the schema's `ForkSequence | null`
     assert r.status_code == 201 and len(r.json()["seq_id"]) == 32
     before = c.get("/v1/pool").json(), c.get("/v1/sequences/a").json()
     out = c.post("/v1/attend", json={"layer": 1, "seq_ids": ["a"], "q": q(1)}).json()["out"]
