@@ -37,8 +37,8 @@ WORKDIR /opt/kvpool
 COPY pyproject.toml setup.py README.md ./
 COPY service ./service
 COPY kernels ./kernels
-# No build isolation: setuptools comes from the pinned list instead of an unpinned download. The gcc and
-# Python headers installed above compile service/core/_prefix.c (the prefix-cache loops).
+# No build isolation: setuptools (and Cython) come from the pinned list instead of unpinned downloads. The
+# gcc and Python headers installed above compile the extensions setup.py builds (the core's loops).
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
     && useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvpool kvpool
 

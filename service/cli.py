@@ -50,8 +50,9 @@ def _serve(args: argparse.Namespace) -> int:
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
 
-        # Host-side torch work (the CPU attention reference, page copies) runs on the event loop:
-        # intra-op threads only spin against it; on a busy 2-core host attention cost 14x more CPU.
+        # Host-side torch work (the CPU attention reference, page copies) runs on the one device worker
+        # thread beside the event loop: intra-op threads only spin against them; on a busy 2-core host
+        # attention cost 14x more CPU.
         torch.set_num_threads(1)
 
     try:
@@ -71,20 +72,9 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=False,
         proxy_headers=False,
-        http=http_protocol(),
     )
     serve(config, app.state.pool, settings.shutdown_grace_s)  # SIGTERM: /readyz 503, drain, exit 0
     return 0
-
-
-def http_protocol() -> Any:
-    """uvicorn's httptools protocol writing each response in one send (service/http_protocol.py), when
-    httptools is installed; uvicorn's own choice otherwise."""
-    try:
-        from service.server.http_protocol import CoalescingHttpToolsProtocol
-    except ImportError:
-        return "auto"
-    return CoalescingHttpToolsProtocol
 
 
 def benchmark(name: str) -> Any:

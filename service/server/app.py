@@ -10,13 +10,13 @@ from fastapi import FastAPI
 from service import __version__
 from service.config import Settings
 from service.server.auth import BearerAuth
-from service.server.dispatch import install_route_dispatch
 from service.server.errors import install_error_handlers
 from service.server.leases import start_lease_sweeper, stop_lease_sweeper
 from service.server.limits import BodySizeLimit
 from service.server.metrics import Metrics, RequestMetricsMiddleware
 from service.server.routes import attend, ipc, pool, sequences, step
 from service.server.routes import metrics as metrics_route
+from service.server.routes.table import document_request_bodies
 from service.server.state import PoolState
 
 
@@ -54,15 +54,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.pool = state
     install_error_handlers(app)
-    for module in (sequences, step, attend, pool, ipc):
-        app.include_router(module.router)
     app.state.metrics = Metrics(state)  # a registry per app
-    app.include_router(metrics_route.router)
+    tables = [module.routes for module in (sequences, step, attend, pool, ipc, metrics_route)]
+    for table in tables:
+        table.add_to(app)  # flat: each route straight into the app's table
+    document_request_bodies(app, [model for table in tables for model in table.body_models])
     # The last added runs first: request timing (sees every answer, 401 and 413 included), then
     # auth (401 before anything is read), then the body size limit.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     if settings.api_key_tenants:
         app.add_middleware(BearerAuth, keys=settings.api_key_tenants)
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics, routes=app.router.routes)
-    install_route_dispatch(app)  # the API routes without FastAPI's walk through included routers
     return app

@@ -3,7 +3,6 @@
 Statuses come from the wire's table of error codes (service/wire/errors.py), which the client reads too.
 """
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from service.core.errors import KVPoolError
+from service.server.route_match import match_path
 from service.wire.errors import status_of
 
 # The codes of the statuses Starlette and FastAPI raise HTTPException with; any other is "http_error".
@@ -73,11 +73,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def _documented_methods(request: Request) -> list[str]:
     """The methods the OpenAPI schema documents for the request's path (RFC 9110: 405 lists them all)."""
-    methods: list[str] = []
-    for template, operations in request.app.openapi()["paths"].items():
-        if re.fullmatch(re.sub(r"\\{[^}]+\\}", "[^/]+", re.escape(template)), request.url.path):
-            methods += [m.upper() for m in operations]
-    return sorted(methods)
+    return match_path(request.app.router.routes, request.scope).allowed_methods
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:

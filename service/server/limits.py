@@ -7,8 +7,8 @@ from service.server.errors import error_response
 
 
 class BodyTooLarge(HTTPException):
-    """Raised from receive() mid-body. An HTTPException, so FastAPI's body reader passes it on to the
-    error handlers (which answer 413 `payload_too_large`) instead of turning it into a 400."""
+    """Raised from receive() mid-body. An HTTPException, so the endpoint reading the body
+    (service/server/bodies.py) passes it on to the error handlers, which answer 413 `payload_too_large`."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, too_large_message(limit))

@@ -5,9 +5,8 @@ gauges and counters at scrape time, so the request path pays nothing for them. O
 histograms are observed as requests run: one middleware call per request, one per attention.
 """
 
-import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
@@ -20,6 +19,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__
+from service.server.route_match import match_path
 
 if TYPE_CHECKING:
     from service.server.state import PoolState
@@ -143,7 +143,6 @@ class RequestMetricsMiddleware:
         self.app = app
         self.metrics = metrics
         self.routes = routes
-        self._templates: list[tuple[re.Pattern[str], str, frozenset[str] | None]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -169,26 +168,5 @@ class RequestMetricsMiddleware:
         path = getattr(route, "path", None)
         if isinstance(path, str):
             return path
-        # Answered before routing (e.g. by another middleware): find the template the router would pick.
-        if self._templates is None:  # built on first use: routers may be added after this middleware
-            self._templates = list(route_templates(self.routes))
-        partial = None
-        for regex, template, methods in self._templates:
-            if regex.match(scope["path"]):
-                if methods is None or scope["method"] in methods:
-                    return template
-                partial = partial or template  # the router would answer 405 on this route
-        return partial or UNMATCHED_ROUTE
-
-
-def route_templates(routes: Iterable[BaseRoute]) -> Iterator[tuple[re.Pattern[str], str, frozenset[str] | None]]:
-    """(path regex, template, methods) of every endpoint, in the router's order, through included routers."""
-    for route in routes:
-        included = getattr(route, "original_router", None)  # FastAPI >= 0.16x keeps included routers whole
-        if included is not None:
-            yield from route_templates(included.routes)
-            continue
-        regex, template = getattr(route, "path_regex", None), getattr(route, "path", None)
-        if regex is not None and isinstance(template, str):
-            methods = getattr(route, "methods", None)
-            yield regex, template, frozenset(methods) if methods is not None else None
+        # Answered before routing (e.g. 401 or 413 by a middleware): the template the router would pick.
+        return match_path(self.routes, scope).template or UNMATCHED_ROUTE

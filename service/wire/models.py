@@ -19,7 +19,8 @@ TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 
 class Strict(BaseModel):
     # strict: no coercion of "3" or true into an integer, which the schema ("type": "integer") rejects.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan=False: pydantic's JSON parser reads NaN and Infinity, which JSON does not have.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Answer(BaseModel):

@@ -17,13 +17,8 @@ from service.server.app import create_app
 
 
 def api_routes(routes: list[Any]) -> Iterator[APIRoute]:
-    """APIRoutes, also those FastAPI keeps inside included routers (newer versions wrap them)."""
-    for route in routes:
-        if isinstance(route, APIRoute):
-            yield route
-        inner = getattr(route, "routes", None) or getattr(getattr(route, "original_router", None), "routes", None)
-        if inner:
-            yield from api_routes(inner)
+    """The app's APIRoutes (registered flat: no included routers to walk)."""
+    return (route for route in routes if isinstance(route, APIRoute))
 
 
 def sync_calls(dependant: Dependant) -> Iterator[str]:

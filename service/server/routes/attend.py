@@ -1,25 +1,28 @@
 """Attention over the pool for the last q_len positions of each sequence."""
 
 import time
+from typing import Any
 
 import torch
-from fastapi import APIRouter
+from fastapi import Request
 from starlette.responses import Response
 
 from service.core.errors import InvalidRequest
+from service.server.bodies import read_json
 from service.server.kv_input import decode_kv_input
 from service.server.metrics import MetricsDep
-from service.server.routing import ORJSONRoute
+from service.server.routes.table import RouteTable
 from service.server.state import StateDep, TenantDep, json_response
 from service.wire.models import AttendOut, AttendRequest, error_responses
 from service.wire.tensors import decode, encode
 
-router = APIRouter(prefix="/v1", tags=["attention"], route_class=ORJSONRoute)
+routes = RouteTable(tags=["attention"])
 
 
-@router.post("/attend", response_model=AttendOut, responses=error_responses(401, 404, 413, 422))
-async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep, metrics: MetricsDep) -> Response:
+@routes.post("/v1/attend", body=AttendRequest, response_model=AttendOut, responses=error_responses(401, 404, 413, 422))
+async def attend(request: Request, pool: StateDep, tenant: TenantDep, metrics: MetricsDep) -> Response:
     """Causal paged attention (GQA) of q against each sequence, optionally writing k/v first."""
+    body = await read_json(request, AttendRequest)
     s = pool.settings
     if body.layer >= s.num_layers:
         raise InvalidRequest(f"layer {body.layer} is out of range: the pool has {s.num_layers} layers")
@@ -37,20 +40,25 @@ async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep, metrics
     q = decode("q", body.q.dtype, shape, body.q.data)
     kv = decode_kv_input(pool, body.k, body.v, [shape[0]])
     lut, cache_lengths, slots = pool.sequences.attention_batch(body.seq_ids, q_lens, tenant)
-    if kv is not None:
-        pool.engine.write(kv[0], kv[1], torch.from_numpy(slots), layer=body.layer)
     query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0)
-    attention_started = time.perf_counter()
-    out = pool.engine.attend(
-        q,
-        body.layer,
-        torch.from_numpy(lut.astype("int64")),
-        torch.from_numpy(cache_lengths),
-        query_start_loc,
-        scale=body.scale,
-        sliding_window=body.sliding_window,
-        softcap=body.softcap,
-    )
     kernel = "decode" if max(q_lens, default=1) == 1 else "prefill"
-    metrics.observe_attention(kernel, pool.engine.backend, attention_started)
-    return json_response({"out": encode(out)})
+
+    def write_and_attend() -> dict[str, Any]:  # on the device worker, the encoding of `out` too (MBs of base64)
+        if kv is not None:
+            pool.engine.write(kv[0], kv[1], torch.from_numpy(slots), layer=body.layer)
+        started = time.perf_counter()
+        out = pool.engine.attend(
+            q,
+            body.layer,
+            torch.from_numpy(lut.astype("int64")),
+            torch.from_numpy(cache_lengths),
+            query_start_loc,
+            scale=body.scale,
+            sliding_window=body.sliding_window,
+            softcap=body.softcap,
+        )
+        metrics.observe_attention(kernel, pool.engine.backend, started)
+        return encode(out)
+
+    out = await pool.engine.submit(write_and_attend)  # no await since the bookkeeping: device work keeps its order
+    return json_response({"out": out})

@@ -1,18 +1,18 @@
 """Handles through which a process on the same machine maps the pool itself (zero-copy)."""
 
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from starlette.responses import Response
 
 from service.server.auth import require_ipc_tenant
-from service.server.routing import ORJSONRoute
+from service.server.routes.table import RouteTable
 from service.server.state import StateDep, json_response
 from service.wire.models import IpcOut, error_responses
 
-router = APIRouter(prefix="/v1", tags=["ipc"], route_class=ORJSONRoute)
+routes = RouteTable(tags=["ipc"])
 
 
-@router.get(
-    "/ipc", response_model=IpcOut, dependencies=[Depends(require_ipc_tenant)], responses=error_responses(401, 403)
+@routes.get(
+    "/v1/ipc", response_model=IpcOut, dependencies=[Depends(require_ipc_tenant)], responses=error_responses(401, 403)
 )
 async def ipc(pool: StateDep) -> Response:
     """The pool's shared-memory segment (CPU) or CUDA IPC handle (GPU), its dtype, shape and strides."""

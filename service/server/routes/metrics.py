@@ -1,11 +1,12 @@
 """Prometheus scrape endpoint."""
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from starlette.responses import Response
 
 from service.server.metrics import MetricsDep
+from service.server.routes.table import RouteTable
 
-router = APIRouter(tags=["operations"])
+routes = RouteTable(tags=["operations"])
 
 EXPOSITION_FORMATS = {
     200: {
@@ -15,7 +16,7 @@ EXPOSITION_FORMATS = {
 }
 
 
-@router.get("/metrics", response_class=Response, responses=EXPOSITION_FORMATS)  # type: ignore[arg-type]
+@routes.get("/metrics", response_class=Response, responses=EXPOSITION_FORMATS)
 async def metrics(request: Request, metrics: MetricsDep) -> Response:
     """Pool occupancy, prefix-cache, eviction and latency metrics for Prometheus."""
     # async on purpose: the collector reads the pool on the event loop, where every other access runs.

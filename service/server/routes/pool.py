@@ -2,18 +2,17 @@
 
 from typing import Any
 
-from fastapi import APIRouter
 from starlette.responses import Response
 
 from service.config import Settings
-from service.server.routing import ORJSONRoute
+from service.server.routes.table import RouteTable
 from service.server.state import StateDep, json_response
 from service.wire.models import PoolOut, error_responses
 
-router = APIRouter(tags=["pool"], route_class=ORJSONRoute)
+routes = RouteTable(tags=["pool"])
 
 
-@router.get("/v1/pool", response_model=PoolOut, responses=error_responses(401))
+@routes.get("/v1/pool", response_model=PoolOut, responses=error_responses(401))
 async def pool_info(pool: StateDep) -> Response:
     """Geometry, dtype, device and page occupancy (used + cached + free == num_pages)."""
     s, a = pool.settings, pool.allocator
@@ -49,13 +48,13 @@ def format_fields(s: Settings) -> dict[str, Any]:
     }
 
 
-@router.get("/healthz")
+@routes.get("/healthz")
 async def healthz() -> Response:
     """The process is alive."""
     return json_response({"status": "ok"})
 
 
-@router.get("/readyz", responses=error_responses(503))
+@routes.get("/readyz", responses=error_responses(503))
 async def readyz(pool: StateDep) -> Response:
     """The pool is allocated and the server takes requests (503 while shutting down)."""
     if not pool.ready:

@@ -3,11 +3,12 @@
 from typing import Annotated
 
 import torch
-from fastapi import APIRouter, Path
+from fastapi import Path, Request
 from starlette.responses import Response
 
+from service.server.bodies import read_json, read_optional_json
 from service.server.kv_input import decode_kv_input
-from service.server.routing import ORJSONRoute
+from service.server.routes.table import RouteTable
 from service.server.state import StateDep, TenantDep, json_response
 from service.wire.models import (
     SEQ_ID_PATTERN,
@@ -20,47 +21,62 @@ from service.wire.models import (
     error_responses,
 )
 
-router = APIRouter(prefix="/v1/sequences", tags=["sequences"], route_class=ORJSONRoute)
+routes = RouteTable(tags=["sequences"])
 SeqIdPath = Annotated[str, Path(pattern=SEQ_ID_PATTERN)]
 ERRORS = error_responses(401, 404, 409, 413, 422, 429, 507)
 
 
-@router.post("", status_code=201, response_model=SequenceOut, responses=ERRORS)
-async def create_sequence(body: CreateSequence, pool: StateDep, tenant: TenantDep) -> Response:
+@routes.post("/v1/sequences", body=CreateSequence, status_code=201, response_model=SequenceOut, responses=ERRORS)
+async def create_sequence(request: Request, pool: StateDep, tenant: TenantDep) -> Response:
     """Allocate a sequence; with token_ids it starts on the longest cached prefix of full pages."""
+    body = await read_json(request, CreateSequence)
     ttl_s = pool.settings.default_ttl_s if body.ttl_s is None else body.ttl_s
     seq = pool.sequences.create(body.seq_id, body.token_ids, tenant, ttl_s)
     return json_response(pool.sequence_body(seq), 201)
 
 
-@router.get("/{seq_id}", response_model=SequenceOut, responses=ERRORS)
+@routes.get("/v1/sequences/{seq_id}", response_model=SequenceOut, responses=ERRORS)
 async def get_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep) -> Response:
     """Length and block table of a sequence."""
     return json_response(pool.sequence_body(pool.sequences.get(seq_id, tenant)))
 
 
-@router.post("/{seq_id}/append", response_model=AppendOut, responses=ERRORS)
-async def append_tokens(seq_id: SeqIdPath, body: AppendRequest, pool: StateDep, tenant: TenantDep) -> Response:
+@routes.post("/v1/sequences/{seq_id}/append", body=AppendRequest, response_model=AppendOut, responses=ERRORS)
+async def append_tokens(seq_id: SeqIdPath, request: Request, pool: StateDep, tenant: TenantDep) -> Response:
     """Append tokens: new slots for each, and with k/v their data written into every layer."""
+    body = await read_json(request, AppendRequest)
     s = pool.settings
     kv = decode_kv_input(pool, body.k, body.v, [s.num_layers, body.num_tokens])
     seq, ext = pool.sequences.append(seq_id, body.num_tokens, body.token_ids, kv is not None, tenant)
-    pool.engine.copy_pages(ext.copies)
-    if kv is not None:
-        pool.engine.write(kv[0], kv[1], torch.from_numpy(ext.slots))
-    return json_response({**pool.sequence_body(seq), "slots": ext.slots.tolist()})
+
+    def write_appended() -> None:  # on the device worker: copy-on-write of a shared last page, then the K/V
+        pool.engine.copy_pages(ext.copies)
+        if kv is not None:
+            pool.engine.write(kv[0], kv[1], torch.from_numpy(ext.slots))
+
+    # The answer describes the sequence as this append left it, whatever requests run while the device works.
+    answer = {**pool.sequence_body(seq), "slots": ext.slots.tolist()}
+    if ext.copies or kv is not None:  # submitted with no await since the bookkeeping: device work keeps its order
+        await pool.engine.submit(write_appended)
+    return json_response(answer)
 
 
-@router.post("/{seq_id}/fork", status_code=201, response_model=SequenceOut, responses=ERRORS)
-async def fork_sequence(
-    seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep, body: ForkSequence | None = None
-) -> Response:
+@routes.post(
+    "/v1/sequences/{seq_id}/fork",
+    body=ForkSequence,
+    body_required=False,
+    status_code=201,
+    response_model=SequenceOut,
+    responses=ERRORS,
+)
+async def fork_sequence(seq_id: SeqIdPath, request: Request, pool: StateDep, tenant: TenantDep) -> Response:
     """A new sequence sharing the parent's pages; a shared partial last page is copied on write."""
+    body = await read_optional_json(request, ForkSequence)
     child = pool.sequences.fork(seq_id, body.seq_id if body else None, tenant)
     return json_response(pool.sequence_body(child), 201)
 
 
-@router.delete("/{seq_id}", response_model=FreeOut, responses=ERRORS)
+@routes.delete("/v1/sequences/{seq_id}", response_model=FreeOut, responses=ERRORS)
 async def free_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep) -> Response:
     """Free a sequence; its full written pages stay cached for prefix reuse."""
     freed = pool.sequences.free(seq_id, tenant)

@@ -3,26 +3,29 @@
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter
+from fastapi import Request
 from starlette.responses import Response
 
 from service.core.lut_formats import flash_attn_tables, flashinfer_tables
-from service.server.routing import ORJSONRoute
+from service.server.bodies import read_json
+from service.server.routes.table import RouteTable
 from service.server.state import PoolState, StateDep, TenantDep, json_response
 from service.wire.models import StepOut, StepRequest, error_responses
 from service.wire.tensors import encode_array
 
-router = APIRouter(prefix="/v1", tags=["step"], route_class=ORJSONRoute)
+routes = RouteTable(tags=["step"])
 
 
-@router.post("/step", response_model=StepOut, responses=error_responses(401, 404, 413, 422, 429, 507))
-async def step(body: StepRequest, pool: StateDep, tenant: TenantDep) -> Response:
+@routes.post(
+    "/v1/step", body=StepRequest, response_model=StepOut, responses=error_responses(401, 404, 413, 422, 429, 507)
+)
+async def step(request: Request, pool: StateDep, tenant: TenantDep) -> Response:
     """All appends or none, then the sentinel-filled lookup table of the listed sequences."""
+    body = await read_json(request, StepRequest)
     appends = [(a.seq_id, a.num_tokens, a.token_ids) for a in body.appends]
     result = pool.sequences.step(appends, body.seq_ids, tenant)
-    pool.engine.copy_pages(result.copies)
     cache_lengths = result.cache_lengths
-    return json_response(
+    answer = json_response(
         {
             "lookup_table": encode_array(result.lookup_table, "uint32"),
             "cache_lengths": encode_array(cache_lengths, "uint32"),
@@ -35,6 +38,10 @@ async def step(body: StepRequest, pool: StateDep, tenant: TenantDep) -> Response
             **format_tables(body.format, result.lookup_table, cache_lengths, result.input_lengths, pool),
         }
     )
+    if result.copies:  # copy-on-write, submitted with no await since the bookkeeping (device work keeps its order)
+        copies = result.copies
+        await pool.engine.submit(lambda: pool.engine.copy_pages(copies))
+    return answer
 
 
 def format_tables(

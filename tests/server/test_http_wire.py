@@ -1,17 +1,13 @@
-"""Responses written in one send (service/http_protocol.py): the same bytes, in order, on every path.
+"""HTTP/1.1 on the wire, against a real `kvpool serve` over raw sockets: every answer complete and in order.
 
-Against a real `kvpool serve` over raw sockets: keep-alive, pipelining, `Connection: close`, a
-chunked request body and uvicorn's own 400 for a malformed request. Then the transport itself over
-a real socket pair: a response is one write, close() sends what came before it, abort() drops it.
+Keep-alive, pipelining, an error answer and a chunked request body on one connection, `Connection: close`,
+and uvicorn's own 400 for a malformed request.
 """
 
-import asyncio
 import socket
 
 import orjson
 
-from service.cli import http_protocol
-from service.server.http_protocol import CoalescingHttpToolsProtocol, CoalescingTransport
 from tests.conftest import Server
 
 
@@ -40,10 +36,6 @@ def request(method: str, path: str, body: object = None, extra: str = "") -> byt
     if body is not None:
         head += "content-type: application/json\r\n"
     return head.encode() + b"\r\n" + data
-
-
-def test_serve_uses_the_coalescing_protocol() -> None:
-    assert http_protocol() is CoalescingHttpToolsProtocol
 
 
 def test_keep_alive_pipelining_close_and_malformed_requests(server: Server) -> None:
@@ -90,54 +82,3 @@ def test_keep_alive_pipelining_close_and_malformed_requests(server: Server) -> N
         assert received.startswith(b"HTTP/1.1 400 Bad Request\r\n")
         assert received.endswith(b"Invalid HTTP request received.")
     assert server.client.get("/v1/pool").json()["pages_used"] == 0
-
-
-def test_a_response_is_one_write_and_close_or_abort_keep_the_order() -> None:
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        left, right = socket.socketpair()
-        right.setblocking(False)
-        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, left)
-        writes: list[bytes] = []
-        real_write = transport.write
-
-        def recording_write(data: bytes) -> None:
-            writes.append(bytes(data))
-            real_write(data)
-
-        transport.write = recording_write  # type: ignore[method-assign]
-        coalescing = CoalescingTransport(transport, loop)  # type: ignore[arg-type]
-
-        coalescing.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n")
-        coalescing.write(memoryview(b"hello"))
-        assert writes == [] and coalescing.get_write_buffer_size() == 43
-        coalescing.flush()  # what on_response_complete does
-        assert writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"]
-
-        coalescing.writelines([b"chunk 1;", b"chunk 2;"])  # a streamed body: sent on the loop's next turn
-        await asyncio.sleep(0)
-        assert writes[1:] == [b"chunk 1;chunk 2;"]
-
-        coalescing.write(b"dropped")
-        coalescing.abort()
-        await asyncio.sleep(0)
-        assert writes[2:] == [] and transport.is_closing()
-        received = b""
-        while chunk := await loop.sock_recv(right, 65536):
-            received += chunk
-        assert received == b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhellochunk 1;chunk 2;"
-        right.close()
-
-        left, right = socket.socketpair()
-        right.setblocking(False)
-        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, left)
-        coalescing = CoalescingTransport(transport, loop)
-        coalescing.write(b"last words")
-        coalescing.close()  # sends what was written before it
-        received = b""
-        while chunk := await loop.sock_recv(right, 65536):
-            received += chunk
-        assert received == b"last words"
-        right.close()
-
-    asyncio.run(run())
