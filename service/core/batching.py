@@ -15,7 +15,7 @@ COMPILED: bool = cython.compiled  # True in the build setup.py compiles, False r
 
 Columns = tuple[list[str], list[int], list[Any], bytes, bool]
 # Rows of a block table; beyond, unzip_appends leaves the work to the caller.
-MAX_ROW = cython.declare(cython.longlong, 1 << 24)
+MAX_ROW = 1 << 24
 
 
 @cython.boundscheck(False)  # rows are written at i < n, and `seen` indexed by rows in [0, most]

@@ -37,7 +37,7 @@ def test_unzip_appends_splits_the_appends_into_columns(appends: list[Any], row_o
         and len(a) == 3
         and a[0] in seqs
         and type(seqs[a[0]].row) is int
-        and 0 <= seqs[a[0]].row < 2**24
+        and 0 <= seqs[a[0]].row < batching.MAX_ROW
         for a in appends
     )
     if not usual:
