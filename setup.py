@@ -13,7 +13,8 @@ CORE = ["service/core/page_ops.py", "service/core/batching.py", "service/core/pr
 
 setup(
     ext_modules=[
-        *cythonize(CORE, language_level=3, compiler_directives={"embedsignature": True}),
+        # The generated C goes to build/, away from the sources and out of the wheel.
+        *cythonize(CORE, build_dir="build/cython", language_level=3, compiler_directives={"embedsignature": True}),
         Extension("kernels._cpu_decode", sources=["kernels/_cpu_decode.c"]),
     ]
 )
