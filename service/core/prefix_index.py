@@ -21,6 +21,7 @@ Nothing here keeps Python objects per page, and nothing is for the garbage colle
 """
 
 import hashlib
+from collections.abc import Sequence
 from typing import Optional
 
 import cython
@@ -100,10 +101,11 @@ def _bytes_of(buf: bytearray) -> bytes:
     return p[: len(buf)]  # one allocation and copy, no Python objects between
 
 
+@cython.cfunc
 def _check_index(
     table: cython.int[::1], keys: cython.uchar[:, ::1], key_hash: cython.longlong[::1], hashes: cython.uchar[:, ::1]
 ) -> None:
-    num_pages = len(key_hash)
+    num_pages: cython.Py_ssize_t = len(key_hash)
     if len(table) <= num_pages or len(table) & (len(table) - 1):
         raise ValueError("table must be a power-of-two int32 array larger than num_pages")
     if keys.shape[0] != num_pages or hashes.shape[0] != num_pages or hashes.shape[1] != DIGEST:
@@ -190,8 +192,8 @@ def match(
     _check_index(table, keys, key_hash, hashes)
     if keys.shape[1] != DIGEST + page_nbytes:
         raise ValueError("keys do not fit the pages")
-    buf = bytearray(parent)  # the key of the current page: parent hash || its token bytes
-    buf.extend(bytes(page_nbytes))
+    buf = bytearray(DIGEST + page_nbytes)  # the key of the current page: parent hash || its token bytes
+    buf[:DIGEST] = parent
     bp: cython.p_uchar = buf
     rp: cython.p_const_uchar = raw
     i: cython.Py_ssize_t
@@ -314,7 +316,7 @@ def _check_pages(pages: cython.const_longlong[::1], num_pages: cython.Py_ssize_t
 
 @cython.boundscheck(False)  # i < n == len(out)
 @cython.wraparound(False)
-def int64_bytes(token_ids: list) -> bytes:
+def int64_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian int64 bytes (what page hashes and the prefix index are over):
     TypeError for an id that is not an int, OverflowError for one outside int64."""
     n: cython.Py_ssize_t = len(token_ids)
