@@ -1,8 +1,8 @@
 """Pure bookkeeping: allocator, sequences, lookup tables, errors (stdlib + numpy only).
 
 The per-page loops (page_ops, batching, prefix_index) are compiled by Cython from their own .py
-files when the package is built; COMPILED says whether this process runs that build (the server
-logs it and GET /v1/pool reports it). Without it the same files run as plain Python: correct, but
+files when the package is built; COMPILED says whether this process runs that build (for the server
+start-up log and GET /v1/pool). Without it the same files run as plain Python: correct, but
 10 to 200 times slower (per-byte loops that only the compiler makes fast).
 """
 
