@@ -1,19 +1,20 @@
-"""The compiled modules of the core, each with a Python twin that runs when it is not built (a source
-tree used without `pip install`): service/core/_prefix.c (the prefix cache's per-page loops; twin:
-prefix_index.py), service/core/_batch.c (a step's per-sequence loop; twin: batching.py) and
-service/core/_pages.c (allocation's per-page loops; twin: page_ops.py); and kernels/_cpu_decode.c, the
-CPU backend's decode attention (without it, the torch reference runs: kernels/cpu_decode.py).
+"""The compiled parts: the core's per-page loops, compiled by Cython from their one Python source
+(service/core/page_ops.py, batching.py, prefix_index.py: pure-Python mode, so each file also runs
+as plain Python), and kernels/_cpu_decode.c, the CPU backend's decode attention (without it, the
+torch reference runs: kernels/cpu_decode.py). A failed compile fails the install.
 
 Everything else is in pyproject.toml.
 """
 
+from Cython.Build import cythonize
 from setuptools import Extension, setup
+
+CORE = ["service/core/page_ops.py", "service/core/batching.py", "service/core/prefix_index.py"]
 
 setup(
     ext_modules=[
-        Extension("service.core._prefix", sources=["service/core/_prefix.c"]),
-        Extension("service.core._batch", sources=["service/core/_batch.c"]),
-        Extension("service.core._pages", sources=["service/core/_pages.c"]),
+        # The generated C goes to build/, away from the sources and out of the wheel.
+        *cythonize(CORE, build_dir="build/cython", language_level=3, compiler_directives={"embedsignature": True}),
         Extension("kernels._cpu_decode", sources=["kernels/_cpu_decode.c"]),
     ]
 )

@@ -6,8 +6,8 @@ Every page is in exactly one of three states:
   free   ref_count == 0, empty
 Allocation takes free pages first and evicts the least recently released cached pages only when
 no free page is left. All bulk paths are numpy operations; the per-page loops of the prefix cache
-(commit, lookup, eviction, the LRU list) are compiled, each in O(1) per page
-(service/core/prefix_index.py holds their definitions, _prefix.c the compiled twins).
+(commit, lookup, eviction, the LRU list) are in service/core/prefix_index.py, compiled by Cython,
+each in O(1) per page.
 
 Prefix index: a committed page's identity is the chained SHA-256 hash of its parent's hash and its
 token ids (service.core.hashing). The index is keyed by that hash's preimage, the bytes parent hash ‖

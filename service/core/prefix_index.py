@@ -1,9 +1,9 @@
 """The per-page loops of the prefix cache: commit (chained SHA-256 + registration), match, evict,
 the LRU list, and the int64 conversion of token ids.
 
-The compiled module service/core/_prefix.c runs them (setup.py builds it at install); the Python
-functions below are the definitions, the fallback when it is not built, and the tests' oracle: both
-work on the same numpy arrays and must leave them byte for byte the same.
+This file is the one definition: setup.py compiles it with Cython (pure-Python mode), and it runs
+unchanged as plain Python where it is not built. SHA-256 is hashlib's (OpenSSL); the probe hash
+is Python's own hash() of the key bytes.
 
 The index is an open-addressing hash table of page ids, keyed by each registered page's SHA-256
 preimage, parent hash || the page's token bytes, so a probe compares the token ids exactly and a
@@ -12,22 +12,25 @@ hit computes no SHA-256. Its arrays (new_index() below):
             probing, deletion by backward shift;
   keys      uint8 [num_pages, 32 + page_nbytes]: each registered page's key (None until the first
             commit fixes page_nbytes);
-  key_hash  int64 [num_pages]: hash(key) as CPython hashes bytes (SipHash, seeded per process, so
+  key_hash  int64 [num_pages]: hash(key), CPython's hash of bytes (SipHash, seeded per process, so
             crafted prompts cannot be made to share a probe run);
   hashes    uint8 [num_pages, 32]: each registered page's hash, sha256(key);
   is_hashed bool [num_pages]: the page is registered.
 The LRU of cached pages (registered, unreferenced) is a linked list in an array (new_lru()).
-Nothing here allocates Python objects per page, and nothing is for the garbage collector to track.
+Nothing here keeps Python objects per page, and nothing is for the garbage collector to track.
 """
 
 import hashlib
-import importlib
-import struct
-from types import ModuleType
+from collections.abc import Sequence
+from typing import Optional
 
+import cython
 import numpy as np
 
-DIGEST = 32
+COMPILED: bool = cython.compiled  # True in the build setup.py compiles, False run as plain Python
+
+DIGEST = cython.declare(cython.Py_ssize_t, 32)  # bytes of a SHA-256 digest
+SHA256_IMPL = "hashlib"  # where commit's SHA-256 comes from: hashlib, that is OpenSSL
 
 
 def new_index(num_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -41,27 +44,46 @@ def new_index(num_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     )
 
 
-def _find(table: np.ndarray, keys: np.ndarray, key_hash: np.ndarray, key: bytes, h: int) -> int:
+@cython.cfunc
+@cython.boundscheck(False)  # slots are masked into the table, pages in it are < len(key_hash) == len(keys)
+@cython.wraparound(False)
+def _find(
+    table: cython.int[::1], keys: cython.uchar[:, ::1], key_hash: cython.longlong[::1], key: bytes, h: cython.Py_hash_t
+) -> cython.Py_ssize_t:
     """The slot holding the page whose key is `key`, or the empty slot that ends its probe run."""
-    mask = len(table) - 1
-    i = h & mask
-    while (page := int(table[i])) >= 0:
-        if int(key_hash[page]) == h and keys[page].tobytes() == key:
-            break
+    mask: cython.Py_ssize_t = len(table) - 1
+    i: cython.Py_ssize_t = h & mask
+    k: cython.Py_ssize_t
+    differ: cython.uchar
+    page: cython.int
+    kp: cython.p_const_uchar = key
+    while table[i] >= 0:
+        page = table[i]
+        if key_hash[page] == h:
+            differ = 0
+            for k in range(keys.shape[1]):  # no early exit: the compiler vectorises it
+                differ |= keys[page, k] ^ kp[k]
+            if differ == 0:
+                break
         i = (i + 1) & mask
     return i
 
 
-def _delete(table: np.ndarray, key_hash: np.ndarray, i: int) -> None:
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _delete(table: cython.int[::1], key_hash: cython.longlong[::1], i: cython.Py_ssize_t) -> None:
     """Empty slot i, shifting later entries of its probe run back (Knuth's algorithm R)."""
-    mask = len(table) - 1
-    j = i
+    mask: cython.Py_ssize_t = len(table) - 1
+    j: cython.Py_ssize_t = i
+    home: cython.Py_ssize_t
+    page: cython.int
     while True:
         j = (j + 1) & mask
-        page = int(table[j])
+        page = table[j]
         if page < 0:
             break
-        home = int(key_hash[page]) & mask
+        home = key_hash[page] & mask
         if (i < home <= j) if i <= j else (i < home or home <= j):
             continue  # its home lies cyclically in (i, j]: it stays
         table[i] = page
@@ -69,27 +91,70 @@ def _delete(table: np.ndarray, key_hash: np.ndarray, i: int) -> None:
     table[i] = -1
 
 
-def commit_py(
-    table: np.ndarray,
-    keys: np.ndarray,
-    key_hash: np.ndarray,
-    hashes: np.ndarray,
-    is_hashed: np.ndarray,
-    pages: np.ndarray,
+@cython.cfunc
+@cython.inline
+def _bytes_of(buf: bytearray) -> bytes:
+    """A copy of buf as bytes (a probe needs a hashable key)."""
+    if not cython.compiled:
+        return bytes(buf)
+    p: cython.p_char = buf
+    return p[: len(buf)]  # one allocation and copy, no Python objects between
+
+
+@cython.cfunc
+def _check_index(
+    table: cython.int[::1], keys: cython.uchar[:, ::1], key_hash: cython.longlong[::1], hashes: cython.uchar[:, ::1]
+) -> None:
+    num_pages: cython.Py_ssize_t = len(key_hash)
+    if len(table) <= num_pages or len(table) & (len(table) - 1):
+        raise ValueError("table must be a power-of-two int32 array larger than num_pages")
+    if keys.shape[0] != num_pages or hashes.shape[0] != num_pages or hashes.shape[1] != DIGEST:
+        raise ValueError("keys, key_hash and hashes disagree on the number of pages")
+
+
+@cython.boundscheck(False)  # the pages are checked, the data split into whole pages, the arrays by _check_index
+@cython.wraparound(False)
+def commit(
+    table: cython.int[::1],
+    keys: cython.uchar[:, ::1],
+    key_hash: cython.longlong[::1],
+    hashes: cython.uchar[:, ::1],
+    is_hashed: cython.uchar[::1],
+    pages: cython.const_longlong[::1],
     parent: bytes,
     data: bytes | memoryview,
-    page_nbytes: int,
+    page_nbytes: cython.Py_ssize_t,
 ) -> bytes:
     """Hash pages[i] (token bytes data[i*page_nbytes:(i+1)*page_nbytes]) after its predecessor and
     register it unless it is registered already or another page holds its key (the first committer
     keeps a key). Returns the hash of the last page."""
-    _check(parent, data, page_nbytes)
-    ids = _page_ids(pages, len(key_hash))
-    if len(ids) > len(data) // page_nbytes:
+    raw: bytes = _check(parent, data, page_nbytes)
+    _check_index(table, keys, key_hash, hashes)
+    if keys.shape[1] != DIGEST + page_nbytes or len(is_hashed) != len(key_hash):
+        raise ValueError("keys or is_hashed do not fit the pages")
+    _check_pages(pages, len(key_hash))
+    if len(pages) > len(raw) // page_nbytes:
         raise ValueError("more pages than data")
-    for page, start in zip(ids, range(0, len(data), page_nbytes)):
-        key = parent + bytes(data[start : start + page_nbytes])
-        parent = hashlib.sha256(key).digest()
+    sha256 = hashlib.sha256  # looked up per call: tests replace it to make digests collide
+    key_len: cython.Py_ssize_t = DIGEST + page_nbytes
+    buf = bytearray(key_len)  # the key of the current page: parent hash || its token bytes
+    bp: cython.p_uchar = buf
+    rp: cython.p_const_uchar = raw
+    hp: cython.p_const_uchar
+    i: cython.Py_ssize_t
+    k: cython.Py_ssize_t
+    h: cython.Py_hash_t
+    page: cython.longlong
+    slot: cython.Py_ssize_t
+    for i in range(len(pages)):
+        hp = parent
+        for k in range(DIGEST):
+            bp[k] = hp[k]
+        for k in range(page_nbytes):
+            bp[DIGEST + k] = rp[i * page_nbytes + k]
+        key = _bytes_of(buf)
+        parent = sha256(key).digest()
+        page = pages[i]
         if is_hashed[page]:
             continue
         h = hash(key)
@@ -97,36 +162,54 @@ def commit_py(
         if table[slot] >= 0:
             continue  # the key is taken
         table[slot] = page
-        keys[page] = np.frombuffer(key, dtype=np.uint8)
+        for k in range(key_len):
+            keys[page, k] = bp[k]
+        hp = parent
+        for k in range(DIGEST):
+            hashes[page, k] = hp[k]
         key_hash[page] = h
-        hashes[page] = np.frombuffer(parent, dtype=np.uint8)
         is_hashed[page] = True
     return parent
 
 
-def match_py(
-    table: np.ndarray,
-    keys: np.ndarray | None,
-    key_hash: np.ndarray,
-    hashes: np.ndarray,
+@cython.boundscheck(False)  # as commit: the arrays are checked first, pages come from the table
+@cython.wraparound(False)
+def match(
+    table: cython.int[::1],
+    keys: Optional[cython.uchar[:, ::1]],  # noqa: UP045 (cython types have no `|` in plain Python)
+    key_hash: cython.longlong[::1],
+    hashes: cython.uchar[:, ::1],
     parent: bytes,
     data: bytes | memoryview,
-    page_nbytes: int,
+    page_nbytes: cython.Py_ssize_t,
 ) -> tuple[list[int], bytes]:
     """Registered pages matching the leading pages of `data`, chained from `parent`; stops at the
     first miss. Returns (pages, hash of the last matched page, or `parent`)."""
-    _check(parent, data, page_nbytes)
-    pages: list[int] = []
+    raw: bytes = _check(parent, data, page_nbytes)
+    pages: list = []
     if keys is None:
         return pages, parent
-    for start in range(0, len(data), page_nbytes):
-        key = parent + bytes(data[start : start + page_nbytes])
-        page = int(table[_find(table, keys, key_hash, key, hash(key))])
+    _check_index(table, keys, key_hash, hashes)
+    if keys.shape[1] != DIGEST + page_nbytes:
+        raise ValueError("keys do not fit the pages")
+    buf = bytearray(DIGEST + page_nbytes)  # the key of the current page: parent hash || its token bytes
+    buf[:DIGEST] = parent
+    bp: cython.p_uchar = buf
+    rp: cython.p_const_uchar = raw
+    i: cython.Py_ssize_t
+    k: cython.Py_ssize_t
+    page: cython.int
+    for i in range(len(raw) // page_nbytes):
+        for k in range(page_nbytes):
+            bp[DIGEST + k] = rp[i * page_nbytes + k]
+        key = _bytes_of(buf)
+        page = table[_find(table, keys, key_hash, key, hash(key))]
         if page < 0:
             break
         pages.append(page)
-        parent = hashes[page].tobytes()
-    return pages, parent
+        for k in range(DIGEST):  # the next parent: the matched page's hash
+            bp[k] = hashes[page, k]
+    return pages, bytes(buf[:DIGEST])
 
 
 def new_lru(num_pages: int) -> np.ndarray:
@@ -147,81 +230,112 @@ def lru_pages(lru: np.ndarray) -> list[int]:
     return pages
 
 
-def lru_push_py(lru: np.ndarray, pages: np.ndarray) -> None:
+@cython.boundscheck(False)  # the pages are checked to be < head, and every link in the list is
+@cython.wraparound(False)
+def lru_push(lru: cython.int[:, ::1], pages: cython.const_longlong[::1]) -> None:
     """Append `pages` (not in the list) as the newest, in order."""
-    head = len(lru) - 1
-    for page in _page_ids(pages, head):
+    head: cython.Py_ssize_t = _check_lru(lru)
+    _check_pages(pages, head)
+    i: cython.Py_ssize_t
+    newest: cython.int
+    for i in range(len(pages)):
         newest = lru[head, 0]
-        lru[newest, 1] = page
-        lru[page] = newest, head
-        lru[head, 0] = page
+        lru[newest, 1] = pages[i]
+        lru[pages[i], 0] = newest
+        lru[pages[i], 1] = head
+        lru[head, 0] = pages[i]
 
 
-def lru_remove_py(lru: np.ndarray, pages: np.ndarray) -> None:
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def lru_remove(lru: cython.int[:, ::1], pages: cython.const_longlong[::1]) -> None:
     """Unlink `pages` (all in the list)."""
-    for page in _page_ids(pages, len(lru) - 1):
-        before, after = lru[page]
+    _check_pages(pages, _check_lru(lru))
+    i: cython.Py_ssize_t
+    before: cython.int
+    after: cython.int
+    for i in range(len(pages)):
+        before, after = lru[pages[i], 0], lru[pages[i], 1]
         lru[before, 1] = after
         lru[after, 0] = before
 
 
-def evict_py(lru: np.ndarray, table: np.ndarray, key_hash: np.ndarray, is_hashed: np.ndarray, num: int) -> list[int]:
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def evict(
+    lru: cython.int[:, ::1],
+    table: cython.int[::1],
+    key_hash: cython.longlong[::1],
+    is_hashed: cython.uchar[::1],
+    num: cython.Py_ssize_t,
+) -> list[int]:
     """Unlink the `num` oldest pages of the LRU and take them out of the index; returns them,
     oldest first. The caller checks that `num` pages are cached."""
     if num < 0:
         raise ValueError("num must be >= 0")
-    head = len(lru) - 1
-    pages = []
+    head: cython.Py_ssize_t = _check_lru(lru)
+    if len(key_hash) != head or len(is_hashed) != head or len(table) <= head or len(table) & (len(table) - 1):
+        raise ValueError("lru, table, key_hash and is_hashed disagree on the number of pages")
+    mask: cython.Py_ssize_t = len(table) - 1
+    slot: cython.Py_ssize_t
+    page: cython.int
+    before: cython.int
+    after: cython.int
+    pages: list = []
     for _ in range(num):
-        page = int(lru[head, 1])
-        if page == head:
+        page = lru[head, 1]
+        if page == head:  # a caller's bug: the pages evicted so far stay evicted
             raise ValueError("fewer cached pages than asked to evict")
-        mask = len(table) - 1
-        slot = int(key_hash[page]) & mask
-        while table[slot] != page:
+        slot = key_hash[page] & mask
+        while table[slot] != page:  # a registered page is in its key's probe run
             slot = (slot + 1) & mask
         _delete(table, key_hash, slot)
-        lru_remove_py(lru, np.array([page], dtype=np.int64))
+        before, after = lru[page, 0], lru[page, 1]
+        lru[before, 1] = after
+        lru[after, 0] = before
         is_hashed[page] = False
         pages.append(page)
     return pages
 
 
-def _page_ids(pages: np.ndarray, num_pages: int) -> list[int]:
-    ids = pages.tolist()
-    if any(not 0 <= page < num_pages for page in ids):
-        raise IndexError("page out of range")
-    return ids
+@cython.cfunc
+def _check_lru(lru: cython.int[:, ::1]) -> cython.Py_ssize_t:
+    """The head of the list: its last row."""
+    if lru.shape[0] < 1 or lru.shape[1] != 2:
+        raise ValueError("lru must be an int32 array of shape [num_pages + 1, 2]")
+    return lru.shape[0] - 1
 
 
-def int64_bytes_py(token_ids: list[int]) -> bytes:
-    """Token ids as little-endian int64 bytes (what page hashes and the prefix index are over)."""
-    for token in token_ids:  # the compiled version's errors: TypeError, then OverflowError
+@cython.cfunc
+def _check_pages(pages: cython.const_longlong[::1], num_pages: cython.Py_ssize_t) -> None:
+    i: cython.Py_ssize_t
+    for i in range(len(pages)):
+        if not 0 <= pages[i] < num_pages:
+            raise IndexError("page out of range")
+
+
+@cython.boundscheck(False)  # i < n == len(out)
+@cython.wraparound(False)
+def int64_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64 bytes (what page hashes and the prefix index are over):
+    TypeError for an id that is not an int, OverflowError for one outside int64."""
+    n: cython.Py_ssize_t = len(token_ids)
+    out = np.empty(n, dtype=np.int64)
+    view: cython.longlong[::1] = out
+    i: cython.Py_ssize_t
+    for i in range(n):
+        token = token_ids[i]
         if not isinstance(token, int):
             raise TypeError(f"token ids must be ints, not {type(token).__name__}")
-    try:
-        return struct.pack(f"<{len(token_ids)}q", *token_ids)
-    except struct.error as exc:
-        raise OverflowError(str(exc)) from None
+        view[i] = token  # OverflowError outside int64
+    return out.tobytes()
 
 
-def _check(parent: bytes, data: bytes | memoryview, page_nbytes: int) -> None:
+@cython.cfunc
+def _check(parent: bytes, data: bytes | memoryview, page_nbytes: cython.Py_ssize_t) -> bytes:
+    """data as bytes, after checking the arguments that commit and match share."""
     if len(parent) != DIGEST:
         raise ValueError("parent must be a 32-byte hash")
     if page_nbytes <= 0 or len(data) % page_nbytes:
         raise ValueError("data must be whole pages of page_nbytes > 0 bytes")
-
-
-native: ModuleType | None
-try:
-    native = importlib.import_module("service.core._prefix")
-except ImportError:  # not built: the definitions above do the work
-    native = None
-
-commit = commit_py if native is None else native.commit
-match = match_py if native is None else native.match
-evict = evict_py if native is None else native.evict
-lru_push = lru_push_py if native is None else native.lru_push
-lru_remove = lru_remove_py if native is None else native.lru_remove
-int64_bytes = int64_bytes_py if native is None else native.int64_bytes
-SHA256_IMPL = "hashlib" if native is None else native.SHA256_IMPL
+    return data if type(data) is bytes else bytes(data)

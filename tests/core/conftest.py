@@ -1,27 +1,56 @@
-"""The allocator and sequence tests run twice: on the compiled loops (service/core/_prefix.c,
-_batch.c, _pages.c) and on their pure-Python definitions (service/core/prefix_index.py, batching.py,
-page_ops.py)."""
+"""The core modules that setup.py compiles, loaded uncompiled too: their .py files run as plain
+Python under other names, so that tests can hold the compiled build to its own source."""
 
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from service.core import batching, page_ops, prefix_index
+import service.core
 
-SWAPPED: list[tuple[ModuleType, str]] = [
-    *((prefix_index, name) for name in ("commit", "match", "evict", "lru_push", "lru_remove", "int64_bytes")),
-    *((batching, name) for name in ("unzip_appends", "decode_plan", "decode_apply")),
-    *((page_ops, name) for name in ("pop", "release", "page_slots")),
-]
-
-
-def use_python_prefix_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    for module, name in SWAPPED:
-        monkeypatch.setattr(module, name, getattr(module, f"{name}_py"))
+# The functions of each compiled module that the rest of the core calls.
+CALLED = {
+    "page_ops": ("pop", "release", "page_slots"),
+    "batching": ("unzip_appends", "decode_plan", "decode_apply"),
+    "prefix_index": ("commit", "match", "evict", "lru_push", "lru_remove", "int64_bytes"),
+}
 
 
-@pytest.fixture(params=["compiled", "python"])
-def prefix_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "python":
-        use_python_prefix_index(monkeypatch)
-    return str(request.param)
+def load_source(name: str) -> ModuleType:
+    """service/core/<name>.py run as plain Python (module name `_source_<name>`), beside its build."""
+    if f"_source_{name}" in sys.modules:
+        return sys.modules[f"_source_{name}"]
+    path = Path(service.core.__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_source_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert not module.COMPILED
+    return module
+
+
+def use_source_build() -> Callable[[], None]:
+    """Route the core's calls into the compiled modules to their uncompiled source; returns the undo."""
+    saved = []
+    for name, functions in CALLED.items():
+        compiled, source = importlib.import_module(f"service.core.{name}"), load_source(name)
+        for fn in functions:
+            saved.append((compiled, fn, getattr(compiled, fn)))
+            setattr(compiled, fn, getattr(source, fn))
+
+    def undo() -> None:
+        for module, fn, original in saved:
+            setattr(module, fn, original)
+
+    return undo
+
+
+@pytest.fixture(scope="session")
+def source() -> dict[str, ModuleType]:
+    """The uncompiled modules, by name."""
+    return {name: load_source(name) for name in CALLED}

@@ -9,10 +9,7 @@ from service.core import prefix_index
 from service.core.allocator import PageAllocator
 from service.core.errors import OutOfPages
 from service.core.hashing import page_hash, root_hash, token_bytes
-from tests.core.conftest import use_python_prefix_index
 from tests.core.helpers import future_pages
-
-pytestmark = pytest.mark.usefixtures("prefix_impl")  # compiled and pure-Python prefix index
 
 
 def pages(*ids: int) -> np.ndarray:
@@ -116,7 +113,6 @@ def test_a_digest_collision_is_no_hit_unless_the_tokens_are_equal(monkeypatch: p
         def sha256(data: bytes) -> "hashlib._Hash":
             return hashlib.sha256(b"same")
 
-    use_python_prefix_index(monkeypatch)  # the compiled SHA-256 cannot be made to collide
     monkeypatch.setattr(prefix_index, "hashlib", Colliding)
     a = PageAllocator(4)
     a.allocate(3)

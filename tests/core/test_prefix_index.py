@@ -1,10 +1,7 @@
-"""The compiled prefix-index loops (service/core/_prefix.c) against their Python definitions
-(service/core/prefix_index.py): same results, same errors, byte-identical arrays after every call."""
+"""The prefix-index loops (service/core/prefix_index.py): their errors, and a random program run on
+the compiled build and on the same file run as plain Python, which must agree byte for byte."""
 
 import hashlib
-import os
-import subprocess
-import sys
 
 import hypothesis.strategies as st
 import numpy as np
@@ -14,54 +11,26 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from service.core import prefix_index as pi
 from service.core.hashing import root_hash
+from tests.core.conftest import load_source
 
-native = pi.native
-SHA_LENGTHS = [0, 1, 31, 55, 56, 63, 64, 65, 119, 120, 127, 128, 160, 1000, 2080]
-
-
-def test_the_compiled_module_is_built() -> None:
-    # `pip install -e .` builds it (setup.py); without it every loop runs in Python, 5x slower.
-    assert native is not None, "service/core/_prefix.c is not built: run `pip install -e .`"
-    assert native.SHA256_IMPL in ("sha-ni", "portable")
-
-
-@pytest.mark.parametrize("length", SHA_LENGTHS)
-def test_sha256_equals_hashlib(length: int) -> None:
-    data = os.urandom(length)
-    assert native.sha256(data) == hashlib.sha256(data).digest()
-
-
-def test_the_portable_sha256_equals_hashlib_too() -> None:
-    # The compression is chosen at import: a fresh interpreter with the SHA extensions turned off.
-    script = (
-        "import hashlib, os, sys\n"
-        "from service.core import _prefix as p\n"
-        "assert p.SHA256_IMPL == 'portable', p.SHA256_IMPL\n"
-        f"for n in {SHA_LENGTHS!r}:\n"
-        "    d = os.urandom(n)\n"
-        "    assert p.sha256(d) == hashlib.sha256(d).digest(), n\n"
-        "print('ok')\n"
-    )
-    env = {**os.environ, "KVPOOL_SHA256_PORTABLE": "1"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
+source = load_source("prefix_index")
 
 
 @given(st.lists(st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 2**63 - 1, -(2**63)]))))
-def test_int64_bytes_equals_the_definition(ids: list[int]) -> None:
-    assert native.int64_bytes(ids) == pi.int64_bytes_py(ids) == np.array(ids, dtype="<i8").tobytes()
+def test_int64_bytes_are_little_endian_int64(ids: list[int]) -> None:
+    assert pi.int64_bytes(ids) == source.int64_bytes(ids) == np.array(ids, dtype="<i8").tobytes()
 
 
 @pytest.mark.parametrize(
     ("ids", "error"), [([1, 2**63], OverflowError), ([-(2**63) - 1], OverflowError), ([1, 2.0], TypeError)]
 )
 def test_int64_bytes_rejects_what_does_not_fit(ids: list[object], error: type[Exception]) -> None:
-    for convert in (native.int64_bytes, pi.int64_bytes_py):
+    for convert in (pi.int64_bytes, source.int64_bytes):
         with pytest.raises(error):
             convert(ids)
 
 
-def test_bad_arguments_raise_the_same_errors() -> None:
+def test_bad_arguments_raise_and_register_nothing() -> None:
     table, key_hash, hashes, is_hashed = pi.new_index(4)
     keys = np.zeros((4, 32 + 16), dtype=np.uint8)
     root = root_hash("")
@@ -69,16 +38,17 @@ def test_bad_arguments_raise_the_same_errors() -> None:
         ((np.array([0]), root[:31], bytes(16), 16), ValueError),  # parent is not a hash
         ((np.array([0]), root, bytes(24), 16), ValueError),  # data is not whole pages
         ((np.array([0, 1]), root, bytes(16), 16), ValueError),  # more pages than data
+        ((np.array([0]), root, bytes(32), 32), ValueError),  # keys of another page size
         ((np.array([4]), root, bytes(16), 16), IndexError),  # no such page
         ((np.array([-1]), root, bytes(16), 16), IndexError),
     ]
     for args, error in cases:
-        for commit in (native.commit, pi.commit_py):
+        for commit in (pi.commit, source.commit):
             with pytest.raises(error):
                 commit(table, keys, key_hash, hashes, is_hashed, *args)
     assert not is_hashed.any() and (table == -1).all()  # nothing was registered
     lru = pi.new_lru(4)
-    for evict in (native.evict, pi.evict_py):
+    for evict in (pi.evict, source.evict):
         with pytest.raises(ValueError, match="fewer cached pages"):
             evict(lru, table, key_hash, is_hashed, 1)
         with pytest.raises(ValueError):
@@ -91,7 +61,8 @@ pages_data = st.lists(st.lists(st.integers(0, 1), min_size=PAGE_TOKENS, max_size
 
 
 class Twins(RuleBasedStateMachine):
-    """The same random program on two copies of the index arrays, one run by each implementation.
+    """The same random program on two copies of the index arrays, one run by the compiled build, the
+    other by the source run as plain Python.
 
     A tiny vocabulary and pool make keys repeat (taken keys), collide in the 16-slot table (long
     probe runs) and get evicted from the middle of runs (backward shifts)."""
@@ -113,7 +84,7 @@ class Twins(RuleBasedStateMachine):
 
     @staticmethod
     def impls(fn: str) -> list[tuple[str, object, str]]:
-        return [("c", native, fn), ("py", pi, f"{fn}_py")]
+        return [("c", pi, fn), ("py", source, fn)]
 
     @rule(parent=st.integers(0, 63), chosen=st.permutations(range(NUM_PAGES)), data=pages_data)
     def commit(self, parent: int, chosen: list[int], data: list[list[int]]) -> None:
@@ -164,7 +135,7 @@ class Twins(RuleBasedStateMachine):
         assert sorted(int(p) for p in table if p >= 0) == np.nonzero(is_hashed)[0].tolist()
         for page in np.nonzero(is_hashed)[0].tolist():
             key = keys[page].tobytes()
-            assert native.match(table, keys, key_hash, hashes, key[:32], key[32:], PAGE_NBYTES) == (
+            assert pi.match(table, keys, key_hash, hashes, key[:32], key[32:], PAGE_NBYTES) == (
                 [page],
                 hashlib.sha256(key).digest(),
             )

@@ -13,10 +13,7 @@ from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, Seque
 from service.core.hashing import root_hash, token_bytes
 from service.core.plan import Decode, OneRow, Plan, Rows, plan_rows
 from service.core.sequences import SequenceTable
-from tests.core.conftest import use_python_prefix_index
 from tests.core.helpers import make_table, prefix_hashes, snapshot
-
-pytestmark = pytest.mark.usefixtures("prefix_impl")  # compiled and pure-Python prefix index
 
 P10 = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]  # two full pages of 4 and a partial one
 
@@ -413,7 +410,6 @@ def test_a_hash_collision_is_caught_by_comparing_tokens(monkeypatch: pytest.Monk
         def sha256(data: bytes) -> "hashlib._Hash":
             return hashlib.sha256(b"same")
 
-    use_python_prefix_index(monkeypatch)  # the compiled SHA-256 cannot be made to collide
     monkeypatch.setattr(prefix_index, "hashlib", Colliding)
     t = make_table()
     a = t.allocator

@@ -24,7 +24,7 @@ from service.core.layout import lut_columns
 from service.core.plan import Decode, NewRow, OneRow, Plan, Rows
 from service.core.records import Extension
 from service.core.sequences import SequenceTable
-from tests.core.conftest import SWAPPED
+from tests.core.conftest import use_source_build
 from tests.core.helpers import ref_counts_from_tables, snapshot
 
 TENANTS = ("", "t")
@@ -477,21 +477,18 @@ TestPoolWithPrefixCaching.settings = settings(
 )
 
 
-class TestPoolWithPythonPrefixIndex(PoolMachine.TestCase):  # type: ignore[misc,name-defined]
-    """The prefix-caching pool again, on the pure-Python twins of the compiled loops."""
+class TestPoolOnTheSourceBuild(PoolMachine.TestCase):  # type: ignore[misc,name-defined]
+    """The prefix-caching pool again, with the compiled core modules run from their source."""
 
     settings = settings(
         max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
     )
 
     def setUp(self) -> None:
-        self.saved = [(module, name, getattr(module, name)) for module, name in SWAPPED]
-        for module, name in SWAPPED:
-            setattr(module, name, getattr(module, f"{name}_py"))
+        self.undo = use_source_build()
 
     def tearDown(self) -> None:
-        for module, name, fn in self.saved:
-            setattr(module, name, fn)
+        self.undo()
 
 
 TestPoolWithoutPrefixCaching = PoolMachineWithoutPrefixCaching.TestCase
