@@ -9,7 +9,18 @@ Everything else is in pyproject.toml.
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-CORE = ["service/core/page_ops.py", "service/core/batching.py", "service/core/prefix_index.py"]
+CORE = [
+    "service/core/page_ops.py",
+    "service/core/batching.py",
+    # SHA-256 from OpenSSL's libcrypto (the library hashlib wraps): building needs its headers
+    # (libssl-dev); its SHA256_* calls are deprecated in OpenSSL 3 but kept, and are the fastest.
+    Extension(
+        "service.core.prefix_index",
+        ["service/core/prefix_index.py"],
+        libraries=["crypto"],
+        define_macros=[("OPENSSL_SUPPRESS_DEPRECATED", None)],
+    ),
+]
 
 setup(
     ext_modules=[

@@ -1,12 +1,14 @@
 """The core modules that setup.py compiles, loaded uncompiled too: their .py files run as plain
 Python under other names, so that tests can hold the compiled build to its own source."""
 
+import hashlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -54,3 +56,19 @@ def use_source_build() -> Callable[[], None]:
 def source() -> dict[str, ModuleType]:
     """The uncompiled modules, by name."""
     return {name: load_source(name) for name in CALLED}
+
+
+@pytest.fixture
+def colliding_digests(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every SHA-256 digest the core computes is the same one: the core runs from its source, whose
+    SHA-256 is hashlib's, replaced here (the compiled build calls OpenSSL directly)."""
+
+    class Colliding:
+        @staticmethod
+        def sha256(data: bytes) -> Any:
+            return hashlib.sha256(b"same")
+
+    undo = use_source_build()
+    monkeypatch.setattr(load_source("prefix_index"), "hashlib", Colliding)
+    yield
+    undo()

@@ -5,7 +5,6 @@ import hashlib
 import numpy as np
 import pytest
 
-from service.core import prefix_index
 from service.core.allocator import PageAllocator
 from service.core.errors import OutOfPages
 from service.core.hashing import page_hash, root_hash, token_bytes
@@ -105,15 +104,8 @@ def test_committed_pages_become_cached_on_release_and_are_found_by_their_tokens(
     assert a.ref_count.tolist() == [2, 1, 0, 0] and a.cached_pages() == []
 
 
-def test_a_digest_collision_is_no_hit_unless_the_tokens_are_equal(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Colliding:
-        """Every SHA-256 digest the allocator computes is the same: every page hash collides."""
-
-        @staticmethod
-        def sha256(data: bytes) -> "hashlib._Hash":
-            return hashlib.sha256(b"same")
-
-    monkeypatch.setattr(prefix_index, "hashlib", Colliding)
+@pytest.mark.usefixtures("colliding_digests")
+def test_a_digest_collision_is_no_hit_unless_the_tokens_are_equal() -> None:
     a = PageAllocator(4)
     a.allocate(3)
     h = commit_tokens(a, 0, [1, 2])

@@ -1,14 +1,13 @@
 """SequenceTable on tiny pools (8 pages of 4 tokens unless said): exact page ids, all-or-nothing."""
 
 import dataclasses
-import hashlib
 import re
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from service.core import batching, prefix_index
+from service.core import batching
 from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceExists, SequenceNotFound
 from service.core.hashing import root_hash, token_bytes
 from service.core.plan import Decode, OneRow, Plan, Rows, plan_rows
@@ -402,15 +401,8 @@ def test_lru_evicts_the_least_recently_freed_first_and_a_tail_before_its_prefix(
     assert t.create("pb", [*b_tokens, 0]).cached_tokens == 0
 
 
-def test_a_hash_collision_is_caught_by_comparing_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Colliding:
-        """Every page hash the allocator computes is the same digest."""
-
-        @staticmethod
-        def sha256(data: bytes) -> "hashlib._Hash":
-            return hashlib.sha256(b"same")
-
-    monkeypatch.setattr(prefix_index, "hashlib", Colliding)
+@pytest.mark.usefixtures("colliding_digests")
+def test_a_hash_collision_is_caught_by_comparing_tokens() -> None:
     t = make_table()
     a = t.allocator
     taken = a.allocate(2)
