@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import logging
 import os
 import socket
 import sys
@@ -44,6 +45,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvpool: invalid settings\n{describe_errors(exc)}", file=sys.stderr)
         return 2
     import uvicorn
+
+    # kvpool's own loggers (kvpool.*) print beside uvicorn's, at the same level.
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
 
     from service.server.app import create_app
 

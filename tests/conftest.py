@@ -55,6 +55,7 @@ class Server:
             [*cmd, *(args or [])], env=full_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.output = ""
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
@@ -80,7 +81,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stdout:
+        if self.proc.stdout and not self.proc.stdout.closed:
+            self.output = self.proc.stdout.read().decode(errors="replace")  # what it printed, for tests
             self.proc.stdout.close()
         return int(self.proc.returncode)
 

@@ -1,12 +1,14 @@
 """create_app(settings): builds the pool state once, mounts the routes and the error handlers."""
 
 import inspect
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
 
+import service.core
 from service import __version__
 from service.config import Settings
 from service.server.auth import BearerAuth
@@ -18,6 +20,8 @@ from service.server.routes import attend, ipc, pool, sequences, step
 from service.server.routes import metrics as metrics_route
 from service.server.routes.table import document_request_bodies
 from service.server.state import PoolState
+
+log = logging.getLogger("kvpool.server")
 
 
 def without_opentelemetry() -> dict[str, Any]:
@@ -38,6 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        log_start(state)
         sweeper = start_lease_sweeper(state)
         try:
             yield
@@ -66,3 +71,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.add_middleware(BearerAuth, keys=settings.api_key_tenants)
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics, routes=app.router.routes)
     return app
+
+
+def log_start(state: PoolState) -> None:
+    """One line naming what this process runs: the pool, the attention backend, the core's build."""
+    s = state.settings
+    log.info(
+        "kvpool %s: %d pages of %d tokens, %s on %s, attention backend %s, core compiled: %s",
+        __version__,
+        s.num_pages,
+        s.page_size,
+        s.dtype,
+        state.storage.device,
+        state.engine.backend,
+        service.core.COMPILED,
+    )
+    if not service.core.COMPILED:
+        log.warning("the core runs from its Python source, 10-200x slower: %s", service.core.COMPILED_MODULES)

@@ -159,6 +159,9 @@ class PoolOut(Answer):
     sentinel: int
     instance_id: str
     attention_backend: str = Field(description="the backend attention runs on: triton, cpu or torch (from auto)")
+    core_compiled: bool = Field(
+        False, description="the core's loops run compiled (Cython); false: from their Python source, far slower"
+    )
     scale_dtype: ScaleDtype | None = Field(None, description="FP8 pools: dtype of the per-group scales")
     quant_granularity: int | None = Field(None, description="FP8 pools: channels per scale")
     mla: bool = False

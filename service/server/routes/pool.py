@@ -4,6 +4,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+import service.core
 from service.config import Settings
 from service.server.routes.table import RouteTable
 from service.server.state import StateDep, json_response
@@ -32,6 +33,7 @@ async def pool_info(pool: StateDep) -> Response:
             "sentinel": pool.sequences.sentinel,
             "instance_id": pool.instance_id,
             "attention_backend": pool.engine.backend,
+            "core_compiled": service.core.COMPILED,
             **format_fields(s),
         }
     )
