@@ -17,11 +17,13 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# Python 3.12, plus gcc and the Python headers: Triton compiles its kernel launchers at run time.
+# Python 3.12, plus gcc and the Python headers: Triton compiles its kernel launchers at run time. OpenSSL's
+# headers: the core's prefix index calls its SHA-256 (the library hashlib wraps).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
         gcc=4:13.2.* \
         libc6-dev=2.39-* \
+        libssl-dev=3.0.13-* \
         python3.12=3.12.3-* \
         python3.12-dev=3.12.3-* \
         python3.12-venv=3.12.3-* \
