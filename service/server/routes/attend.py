@@ -37,20 +37,25 @@ async def attend(body: AttendRequest, pool: StateDep, tenant: TenantDep, metrics
     q = decode("q", body.q.dtype, shape, body.q.data)
     kv = decode_kv_input(pool, body.k, body.v, [shape[0]])
     lut, cache_lengths, slots = pool.sequences.attention_batch(body.seq_ids, q_lens, tenant)
-    if kv is not None:
-        pool.engine.write(kv[0], kv[1], torch.from_numpy(slots), layer=body.layer)
     query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0)
-    attention_started = time.perf_counter()
-    out = pool.engine.attend(
-        q,
-        body.layer,
-        torch.from_numpy(lut.astype("int64")),
-        torch.from_numpy(cache_lengths),
-        query_start_loc,
-        scale=body.scale,
-        sliding_window=body.sliding_window,
-        softcap=body.softcap,
-    )
     kernel = "decode" if max(q_lens, default=1) == 1 else "prefill"
-    metrics.observe_attention(kernel, pool.engine.backend, attention_started)
+
+    def device_work() -> torch.Tensor:  # on the engine's worker: the wait for the device stays off the loop
+        if kv is not None:
+            pool.engine.write(kv[0], kv[1], torch.from_numpy(slots), layer=body.layer)
+        attention_started = time.perf_counter()
+        out = pool.engine.attend(
+            q,
+            body.layer,
+            torch.from_numpy(lut.astype("int64")),
+            torch.from_numpy(cache_lengths),
+            query_start_loc,
+            scale=body.scale,
+            sliding_window=body.sliding_window,
+            softcap=body.softcap,
+        )
+        metrics.observe_attention(kernel, pool.engine.backend, attention_started)
+        return out.cpu()
+
+    out = await pool.engine.submit(device_work)
     return json_response({"out": encode(out)})

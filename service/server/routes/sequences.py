@@ -45,10 +45,16 @@ async def append_tokens(seq_id: SeqIdPath, body: AppendRequest, pool: StateDep, 
     s = pool.settings
     kv = decode_kv_input(pool, body.k, body.v, [s.num_layers, body.num_tokens])
     seq, ext = pool.sequences.append(seq_id, body.num_tokens, body.token_ids, kv is not None, tenant)
-    pool.engine.copy_pages(ext.copies)
-    if kv is not None:
-        pool.engine.write(kv[0], kv[1], torch.from_numpy(ext.slots))
-    return json_response({**pool.sequence_body(seq), "slots": ext.slots.tolist()})
+    answer = {**pool.sequence_body(seq), "slots": ext.slots.tolist()}  # as of this append, before any await
+
+    def device_work() -> None:
+        pool.engine.copy_pages(ext.copies)
+        if kv is not None:
+            pool.engine.write(kv[0], kv[1], torch.from_numpy(ext.slots))
+
+    if ext.copies or kv is not None:  # nothing for the device: no trip to the worker
+        await pool.engine.submit(device_work)
+    return json_response(answer)
 
 
 @router.post("/{seq_id}/fork", status_code=201, response_model=SequenceOut, responses=ERRORS)

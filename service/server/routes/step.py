@@ -20,7 +20,8 @@ async def step(body: StepRequest, pool: StateDep, tenant: TenantDep) -> Response
     """All appends or none, then the sentinel-filled lookup table of the listed sequences."""
     appends = [(a.seq_id, a.num_tokens, a.token_ids) for a in body.appends]
     result = pool.sequences.step(appends, body.seq_ids, tenant)
-    pool.engine.copy_pages(result.copies)
+    if result.copies:  # a step without copy-on-write has no device work: no trip to the worker
+        await pool.engine.submit(lambda: pool.engine.copy_pages(result.copies))
     cache_lengths = result.cache_lengths
     return json_response(
         {
