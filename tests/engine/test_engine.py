@@ -1,5 +1,5 @@
-"""The engine's backend choice on a CPU pool: auto is the cpu backend, whose decode batches of a float32
-pool run the compiled kernel; torch runs the reference only. Both answer as dense attention does."""
+"""The engine's backend choice (auto: cpu for a plain CPU pool, torch for FP8 and MLA; explicit settings as
+given) and its device work through the backend: attention as dense attention answers, whole-page copies."""
 
 from collections.abc import Iterator
 from typing import Any
@@ -115,3 +115,27 @@ def test_copy_pages_copies_everything_a_page_holds(special: dict[str, Any]) -> N
         engine.close()
     finally:
         storage.close()
+
+
+@pytest.mark.parametrize(
+    ("special", "setting", "kind", "name"),
+    [
+        ({}, "triton", PlainPages, "triton"),  # a CPU pool: the kernels through Triton's interpreter
+        ({"dtype": "float8_e4m3fn", "quant_granularity": 16}, "cpu", Fp8Pages, "cpu"),  # the FP8 reference
+        ({"dtype": "float8_e4m3fn", "quant_granularity": 16}, "triton", Fp8Pages, "triton"),
+        ({"mla": True, "num_kv_heads": 1, "head_dim": 32, "kv_lora_rank": 16}, "triton", MlaPages, "triton"),
+    ],
+)
+def test_an_explicit_setting_picks_its_backend(special: dict[str, Any], setting: str, kind: type, name: str) -> None:
+    storage = Storage(Settings(**{**SETTINGS, **special}))  # type: ignore[arg-type]
+    try:
+        engine = Engine(storage, setting)
+        assert isinstance(engine.impl, kind) and engine.impl.name == engine.backend == name
+        engine.close()
+    finally:
+        storage.close()
+
+
+def test_an_unknown_backend_is_refused(storage: Storage) -> None:
+    with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
+        Engine(storage, "cuda")
