@@ -50,8 +50,9 @@ def gather_heads(blocks: torch.Tensor, kv: int, layer: int, pages: torch.Tensor,
     """K (kv 0) or V (kv 1) of one sequence of one layer as float32 [H, length, D]: one row per head."""
     page_size, num_heads, head_dim = blocks.shape[3:]
     num = -(-length // page_size)
-    x = blocks[pages[:num].to(torch.int64), kv, layer]  # [num, P, H, D]
-    return x.permute(2, 0, 1, 3).reshape(num_heads, num * page_size, head_dim)[:, :length].float().contiguous()
+    by_head = blocks[:, kv, layer].permute(2, 0, 1, 3)  # a view [H, N+1, P, D]
+    x = by_head.index_select(1, pages[:num].to(torch.int64))  # the one copy: [H, num, P, D]
+    return x.view(num_heads, num * page_size, head_dim)[:, :length].float()
 
 
 # Scores of one block of queries against its keys stay under this many float32 elements (1 MiB), so a
