@@ -1,0 +1,122 @@
+"""The engine's device worker: one thread, FIFO, errors reach the caller, the event loop stays free,
+and device methods refuse to run anywhere else."""
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from service.config import Settings
+from service.engine.engine import Engine
+from service.engine.storage import Storage
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    settings = Settings(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, num_pages=8, device="cpu")
+    storage = Storage(settings)
+    engine = Engine(storage)
+    yield engine
+    engine.close()
+    storage.close()
+
+
+def test_jobs_run_in_submission_order_on_one_thread(engine: Engine) -> None:
+    ran: list[tuple[int, threading.Thread]] = []
+    rng = random.Random(0)
+
+    def job(i: int) -> int:
+        time.sleep(rng.random() / 500)  # uneven jobs: order must not depend on how long each takes
+        ran.append((i, threading.current_thread()))
+        return i * i
+
+    async def main() -> list[int]:
+        futures = [engine.submit(lambda i=i: job(i)) for i in range(50)]  # type: ignore[misc]
+        return list(await asyncio.gather(*futures))
+
+    assert asyncio.run(main()) == [i * i for i in range(50)]
+    assert [i for i, _ in ran] == list(range(50))
+    threads = {t for _, t in ran}
+    assert len(threads) == 1 and threading.main_thread() not in threads
+
+
+def test_a_failing_job_raises_in_its_caller_and_the_worker_goes_on(engine: Engine) -> None:
+    error = ValueError("bad pages")
+
+    def fail() -> None:
+        raise error
+
+    async def main() -> int:
+        with pytest.raises(ValueError) as caught:
+            await engine.submit(fail)
+        assert caught.value is error
+        return await engine.submit(lambda: 7)
+
+    assert asyncio.run(main()) == 7
+    with pytest.raises(ValueError):
+        engine.call(fail)
+    assert engine.call(lambda: 8) == 8
+
+
+def test_the_event_loop_runs_while_a_job_runs(engine: Engine) -> None:
+    async def main() -> int:
+        job = engine.submit(lambda: time.sleep(0.5))
+        ticks = 0
+        while not job.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+        await job
+        return ticks
+
+    assert asyncio.run(main()) >= 10  # ~50 expected; 0 or 1 if the job blocked the loop
+
+
+def test_a_job_whose_caller_is_cancelled_still_runs(engine: Engine) -> None:
+    gate, ran = threading.Event(), threading.Event()
+
+    async def main() -> None:
+        engine.submit(gate.wait)  # holds the worker so the next job is still queued when cancelled
+        waiter = asyncio.ensure_future(engine.submit(ran.set))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        gate.set()
+        await engine.submit(lambda: None)  # FIFO: once this is done, the cancelled caller's job ran
+
+    asyncio.run(main())
+    assert ran.is_set()
+
+
+def test_device_methods_run_only_on_the_worker(engine: Engine) -> None:
+    q = torch.zeros(1, 1, 8)
+    lut, lengths, qsl = torch.zeros(1, 8, dtype=torch.int64), torch.tensor([0]), torch.tensor([0, 1])
+    with pytest.raises(AssertionError, match="worker"):
+        engine.attend(q, 0, lut, lengths, qsl)
+    with pytest.raises(AssertionError, match="worker"):
+        engine.copy_pages([(0, 1)])
+    with pytest.raises(AssertionError, match="worker"):
+        engine.write(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.tensor([0]), 0)
+    assert engine.call(lambda: engine.attend(q, 0, lut, lengths, qsl)).shape == (1, 1, 8)
+
+
+def test_close_lets_queued_jobs_finish_then_refuses_more(engine: Engine) -> None:
+    done: list[int] = []
+
+    def job(i: int) -> None:
+        time.sleep(0.05)
+        done.append(i)
+
+    async def main() -> None:
+        for i in range(3):
+            engine.submit(lambda i=i: job(i))  # type: ignore[misc]
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    engine.close()
+    assert done == [0, 1, 2]
+    with pytest.raises(RuntimeError):
+        engine.call(lambda: None)
+    engine.close()  # idempotent
