@@ -124,8 +124,14 @@ class Calls:
     """The requests of API v1, shared by the sync and async clients."""
 
     @staticmethod
-    def create_sequence(seq_id: str | None, token_ids: Sequence[int] | None) -> Call[SequenceInfo]:
-        body = {k: v for k, v in (("seq_id", seq_id), ("token_ids", token_ids)) if v is not None}
+    def create_sequence(
+        seq_id: str | None,
+        token_ids: Sequence[int] | None,
+        ttl_s: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Call[SequenceInfo]:
+        fields = (("seq_id", seq_id), ("token_ids", token_ids), ("ttl_s", ttl_s), ("cache_salt", cache_salt))
+        body = {k: list(v) if k == "token_ids" else v for k, v in fields if v is not None}
         return Call("POST", "/v1/sequences", lambda b: SequenceInfo(**b), body)
 
     @staticmethod

@@ -61,8 +61,14 @@ class KVPoolClient(_Base):
     def _run(self, call: Call[T]) -> T:
         return call.parse(check_response(self.http.request(call.method, call.path, json=call.json)))
 
-    def create_sequence(self, seq_id: str | None = None, token_ids: Sequence[int] | None = None) -> SequenceInfo:
-        return self._run(Calls.create_sequence(seq_id, token_ids))
+    def create_sequence(
+        self,
+        seq_id: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        ttl_s: float | None = None,
+        cache_salt: str | None = None,
+    ) -> SequenceInfo:
+        return self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt))
 
     def get_sequence(self, seq_id: str) -> SequenceInfo:
         return self._run(Call("GET", f"/v1/sequences/{seq_id}", lambda b: SequenceInfo(**b)))
@@ -144,8 +150,14 @@ class AsyncKVPoolClient(_Base):
     async def _run(self, call: Call[T]) -> T:
         return call.parse(check_response(await self.http.request(call.method, call.path, json=call.json)))
 
-    async def create_sequence(self, seq_id: str | None = None, token_ids: Sequence[int] | None = None) -> SequenceInfo:
-        return await self._run(Calls.create_sequence(seq_id, token_ids))
+    async def create_sequence(
+        self,
+        seq_id: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        ttl_s: float | None = None,
+        cache_salt: str | None = None,
+    ) -> SequenceInfo:
+        return await self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt))
 
     async def get_sequence(self, seq_id: str) -> SequenceInfo:
         return await self._run(Call("GET", f"/v1/sequences/{seq_id}", lambda b: SequenceInfo(**b)))

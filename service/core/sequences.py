@@ -103,16 +103,23 @@ class SequenceTable(AppendingTables):
 
     # -- create / fork / free -----------------------------------------------------------------
     def create(
-        self, seq_id: str | None = None, token_ids: list[int] | None = None, tenant: str = "", ttl_s: float = 0.0
+        self,
+        seq_id: str | None = None,
+        token_ids: list[int] | None = None,
+        tenant: str = "",
+        ttl_s: float = 0.0,
+        cache_salt: str = "",
     ) -> Sequence:
         """A new sequence; with token_ids, it starts on the longest cached run of full pages.
 
         ttl_s > 0 gives it a lease: expire() frees it once ttl_s seconds pass without a call naming it.
+        cache_salt (e.g. vLLM's per-request cache_salt) salts the sequence's prefix hashes like the
+        tenant does: sequences with different salts never share pages.
         """
         if not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise InvalidRequest(f"ttl_s must be a finite number >= 0, not {ttl_s}")
         seq_id = self._new_id(seq_id, tenant)
-        hits, last_hash, data = self._match_prefix(token_ids or [], tenant)
+        hits, last_hash, data = self._match_prefix(token_ids or [], tenant, cache_salt)
         self._check_quota(tenant, len(hits))
         row = self._take_row()  # no pages, length 0
         num_cached = len(hits) * self.page_size
@@ -131,9 +138,12 @@ class SequenceTable(AppendingTables):
             self.stats.prefix_hit_tokens += num_cached
         return seq
 
-    def _match_prefix(self, token_ids: list[int], tenant: str) -> tuple[list[int], bytes, bytes]:
+    def _match_prefix(self, token_ids: list[int], tenant: str, cache_salt: str = "") -> tuple[list[int], bytes, bytes]:
         """(cached pages starting the prompt, hash of the last one, the token bytes of at least those)."""
-        root = self._roots.get(tenant) or self._roots.setdefault(tenant, root_hash(tenant))
+        if cache_salt:  # not memoised: salts are per request, the memo would grow without bound
+            root = root_hash(tenant, cache_salt)
+        else:
+            root = self._roots.get(tenant) or self._roots.setdefault(tenant, root_hash(tenant))
         max_hits = (len(token_ids) - 1) // self.page_size  # never cover the last prompt token
         if not self.allocator.enable_prefix_caching or max_hits <= 0:
             return [], root, b""

@@ -29,7 +29,7 @@ ERRORS = error_responses(401, 404, 409, 413, 422, 429, 507)
 async def create_sequence(body: CreateSequence, pool: StateDep, tenant: TenantDep) -> Response:
     """Allocate a sequence; with token_ids it starts on the longest cached prefix of full pages."""
     ttl_s = pool.settings.default_ttl_s if body.ttl_s is None else body.ttl_s
-    seq = pool.sequences.create(body.seq_id, body.token_ids, tenant, ttl_s)
+    seq = pool.sequences.create(body.seq_id, body.token_ids, tenant, ttl_s, body.cache_salt or "")
     return json_response(pool.sequence_body(seq), 201)
 
 

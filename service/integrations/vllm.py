@@ -1,0 +1,323 @@
+"""KVPoolConnector: vLLM's v1 KV connector over kvpool, so vLLM engines share and reuse prefixes.
+
+    vllm serve MODEL --block-size 32 --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": "service.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvpool_url": "http://127.0.0.1:8000"}}'
+
+Extra config keys: `kvpool_url` (required), `kvpool_api_key` (a Bearer key of KVPOOL_API_KEYS; its
+tenant must be in KVPOOL_IPC_TENANTS), `timeout_s` (per HTTP call, 5), `retry_interval_s` (how long
+calls are skipped after a fault, 5).
+
+Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is
+the cached prefix, held (not evictable) until the request finishes or is aborted. The hit answered
+is that prefix cut to vLLM's block size. Worker side: the loads copy the pinned pages into vLLM's
+blocks before the forward, then check that the pin still lives on the server whose pool is mapped
+(else the blocks are reported as load errors and vLLM recomputes them). After the forward, every
+request whose computed tokens filled more kvpool pages is saved: a sequence created from its token
+ids (what kvpool has already is matched, not copied), the rest appended, its K/V copied from vLLM's
+blocks into the pool at the appended slots, the server's instance checked, and the sequence freed,
+which commits the pages to kvpool's prefix cache. K/V moves only through the mapped pool.
+
+vLLM's block size and kvpool's page size are independent: copies go token by token (slot = page x
+page_size + offset on one side, block x block_size + offset on the other). A request's `cache_salt`
+salts kvpool's prefix hashes, so different salts never share pages. One worker (no tensor or
+pipeline parallelism) and vLLM's CPU attention layout are supported; others are refused at start.
+"""
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.core.sched.output import SchedulerOutput
+
+from service.integrations.kvpool_link import Geometry, KVPoolLink
+from service.integrations.vllm_layout import check_layout, kv_views
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass
+class LoadJob:
+    """Copy tokens [start, start + count) from kvpool `pages` (the pin's) into vLLM `block_ids`."""
+
+    req_id: str
+    pin_id: str
+    pages: list[int]
+    start: int
+    count: int
+    block_ids: list[int]
+
+
+@dataclass
+class SaveJob:
+    """Save tokens [0, end) (the KV of those kvpool does not hold yet) from vLLM `block_ids`.
+
+    token_ids has `end` ids, plus the next one where known (so that kvpool may match the last page).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    end: int
+    block_ids: list[int]
+    cache_salt: str | None
+
+
+@dataclass
+class KVPoolMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class _Pin:
+    seq_id: str
+    pages: list[int]  # the pages of tokens [0, hit)
+    hit: int  # cached tokens, cut to vLLM's block size
+    cached: int  # cached tokens as kvpool reported them (full pages)
+    start: int = 0  # tokens vLLM had locally when it asked
+
+
+def model_geometry(vllm_config: VllmConfig) -> Geometry:
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError("kvpool's vLLM connector supports one worker (tensor and pipeline parallel size 1)")
+    if model.use_mla:
+        raise ValueError("kvpool's vLLM connector does not support MLA models yet")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = model.dtype if cache_dtype == "auto" else None
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"kvpool's vLLM connector needs a float32/float16/bfloat16 KV cache, not {cache_dtype}")
+    return Geometry(
+        model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(), _DTYPE_NAMES[dtype]
+    )
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        if not extra.get("kvpool_url"):
+            raise ValueError("KVPoolConnector needs kv_connector_extra_config.kvpool_url (e.g. http://127.0.0.1:8000)")
+        unknown = set(extra) - {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s"}
+        if unknown:
+            raise ValueError(f"KVPoolConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
+        self._block_size = vllm_config.cache_config.block_size
+        is_worker = role == KVConnectorRole.WORKER
+        self._link = KVPoolLink(
+            str(extra["kvpool_url"]),
+            extra.get("kvpool_api_key"),
+            model_geometry(vllm_config),
+            float(extra.get("timeout_s", 5.0)),
+            float(extra.get("retry_interval_s", 5.0)),
+            attach=is_worker,
+        )
+        self._link.connect(at_start=True)  # a mismatch raises here; kvpool down only starts an incident
+        if role == KVConnectorRole.SCHEDULER:
+            # kvpool is a cache: a load that fails after the match is recomputed, never a failed request.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        # Scheduler side.
+        self._requests: dict[str, Request] = {}
+        self._pins: dict[str, _Pin] = {}
+        self._saved: dict[str, int] = {}  # tokens of each request kvpool holds or a save is under way for
+        self._loads: list[LoadJob] = []
+        # Worker side: layer index -> (K, V) views [num_blocks, heads, block_size, head_dim].
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: faults_<kind>, incidents, loaded_tokens, saved_tokens, load_failures, ..."""
+        return dict(self._link.stats)
+
+    # ==== scheduler side ==========================================================================
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request
+        pin = self._pins.get(request.request_id)
+        if pin is None:
+            pin = self._pin(request)
+            if pin is None:
+                return 0, False
+        pin.start = num_computed_tokens
+        return max(0, pin.hit - num_computed_tokens), False
+
+    def _pin(self, request: "Request") -> _Pin | None:
+        link = self._link
+        if not link.usable():
+            return None
+        info = link.create(list(request.all_token_ids), request.cache_salt)
+        if info is None:
+            return None
+        hit = info.cached_tokens // self._block_size * self._block_size
+        self._saved[request.request_id] = max(self._saved.get(request.request_id, 0), info.cached_tokens)
+        if hit == 0:
+            link.free(info.seq_id)
+            return None
+        pages = info.block_table[: -(-hit // link.page_size)]
+        pin = _Pin(info.seq_id, pages, hit, info.cached_tokens)
+        self._pins[request.request_id] = pin
+        return pin
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        pin = self._pins.get(request.request_id)
+        if num_external_tokens > 0 and pin is not None:
+            job = LoadJob(
+                request.request_id,
+                pin.seq_id,
+                pin.pages,
+                pin.start,
+                num_external_tokens,
+                list(blocks.get_block_ids()[0]),
+            )
+            self._loads.append(job)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVPoolMetadata(loads=self._loads)
+        self._loads = []
+        page_size, manager = self._link.page_size, self._kv_cache_manager
+        if not page_size or manager is None:
+            return meta
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            tokens = request.all_token_ids
+            # The KV of tokens [0, computed) is in vLLM's blocks after this step; save whole pages of it.
+            computed = min(request.num_computed_tokens + num_new, len(tokens))
+            end = computed // page_size * page_size
+            if end <= self._saved.get(req_id, 0):
+                continue
+            self._saved[req_id] = end
+            block_ids = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
+            meta.saves.append(SaveJob(req_id, list(tokens[: end + 1]), end, block_ids, request.cache_salt))
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        pin = self._pins.pop(req_id, None)
+        if pin is not None:
+            self._link.free(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
+        self._requests.pop(req_id, None)
+        self._saved.pop(req_id, None)
+        return False, None
+
+    # ==== worker side =============================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layers = self._vllm_config.compilation_config.static_forward_context
+        for name, cache in kv_caches.items():
+            check_layout(layers[name], cache)
+            self._layers[extract_layer_index(name)] = kv_views(cache)
+        if sorted(self._layers) != list(range(self._link.model.num_layers)):
+            raise ValueError(
+                f"KVPoolConnector: expected layers 0..{self._link.model.num_layers - 1}, "
+                f"vLLM registered {sorted(self._layers)}"
+            )
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata)
+        self._failed_reqs = set()
+        for job in meta.loads:
+            if not self._load(job):
+                self._link.stats["load_failures"] += 1
+                self._failed_reqs.add(job.req_id)
+                first, stop = job.start // self._block_size, -(-(job.start + job.count) // self._block_size)
+                self._load_errors.update(job.block_ids[first:stop])
+
+    def _load(self, job: LoadJob) -> bool:
+        link = self._link
+        pool = link.pool
+        if not link.usable() or pool is None:
+            return False
+        tokens = torch.arange(job.start, job.start + job.count)
+        pages = torch.tensor(job.pages)[tokens // pool.page_size]
+        offsets = tokens % pool.page_size
+        blocks = torch.tensor(job.block_ids)[tokens // self._block_size]
+        block_offsets = tokens % self._block_size
+        for layer, (k, v) in self._layers.items():
+            # pool.blocks[pages, kv, layer, offsets]: [T, H, D]; k[blocks, :, block_offsets]: [T, H, D]
+            k[blocks, :, block_offsets] = pool.blocks[pages, 0, layer, offsets].to(k.device)
+            v[blocks, :, block_offsets] = pool.blocks[pages, 1, layer, offsets].to(v.device)
+        # The copy is right only if the pin (hence its pages) lived throughout on the mapped server:
+        # the pin exists now, and the server now is the mapped instance (ids are new at every start).
+        if link.call(lambda: link.client.get_sequence(job.pin_id)) is None or not link.same_instance():
+            return False
+        link.stats["loaded_tokens"] += job.count
+        return True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv copies every layer before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
+    ) -> None:
+        return  # wait_for_save copies every layer at once: one HTTP transaction per request, not per layer
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata)
+        for job in meta.saves:
+            # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, we save none of it.
+            if job.req_id not in self._failed_reqs and self._link.usable():
+                self._save(job)
+
+    def _save(self, job: SaveJob) -> None:
+        link = self._link
+        seq = link.create(job.token_ids, job.cache_salt)
+        if seq is None:
+            return
+        start = seq.cached_tokens
+        if start < job.end:
+            appended = link.call(lambda: link.client.append(seq.seq_id, token_ids=job.token_ids[start : job.end]))
+            if appended is None or not self._write(job, start, appended.slots):
+                return  # not freed: a free would commit pages whose K/V may be unwritten (a leak, logged)
+            link.stats["saved_tokens"] += job.end - start
+        link.free(seq.seq_id)
+
+    def _write(self, job: SaveJob, start: int, slots: list[int]) -> bool:
+        """Copy tokens [start, job.end) into the pool at `slots`; True once the server is the mapped one."""
+        link = self._link
+        for _ in range(2):  # a restart between append and this check: map the new pool, write again
+            pool = link.pool
+            if pool is None:
+                return False
+            tokens = torch.arange(start, job.end)
+            slot = torch.tensor(slots)
+            pages, offsets = slot // pool.page_size, slot % pool.page_size
+            blocks = torch.tensor(job.block_ids)[tokens // self._block_size]
+            block_offsets = tokens % self._block_size
+            for layer, (k, v) in self._layers.items():
+                pool.blocks[pages, 0, layer, offsets] = k[blocks, :, block_offsets].to(pool.device)
+                pool.blocks[pages, 1, layer, offsets] = v[blocks, :, block_offsets].to(pool.device)
+            if link.same_instance():
+                return True
+            if not link.connect(at_start=False):
+                return False
+        return False
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._link.stats:
+            logger.info("kvpool connector (%s): %s", self.role.name.lower(), dict(self._link.stats))
+        self._link.close()
