@@ -41,9 +41,17 @@ class GeometryMismatch(ValueError):
 
 class KVPoolLink:
     def __init__(
-        self, url: str, api_key: str | None, model: Geometry, timeout_s: float, retry_interval_s: float, attach: bool
+        self,
+        url: str,
+        api_key: str | None,
+        model: Geometry,
+        timeout_s: float,
+        retry_interval_s: float,
+        side: str,
     ) -> None:
-        self.url, self.model, self.attach = url, model, attach
+        """side: "scheduler" or "worker" (which maps the pool)."""
+        self.url, self.model, self.side = url, model, side
+        self.attach = side == "worker"
         self.retry_interval_s = retry_interval_s
         self.client = KVPoolClient(url, api_key, timeout=timeout_s)
         self.stats: Counter[str] = Counter()
@@ -110,8 +118,9 @@ class KVPoolLink:
             self._faults.add(kind)
             self.stats["incidents"] += 1
             logger.warning(
-                "kvpool %s (%s): vLLM computes what it cannot load; retrying every %.0f s",
+                "kvpool %s (%s): %s; vLLM computes what it cannot load, retrying every %.1f s",
                 kind,
+                self.side,
                 detail,
                 self.retry_interval_s,
             )
@@ -121,7 +130,8 @@ class KVPoolLink:
     def recovered(self) -> None:
         if self._faults:
             logger.warning(
-                "kvpool at %s is back (instance %s) after: %s",
+                "kvpool is back (%s) at %s, instance %s, after: %s",
+                self.side,
                 self.url,
                 self.instance_id,
                 ", ".join(sorted(self._faults)),

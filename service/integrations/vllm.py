@@ -127,7 +127,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             model_geometry(vllm_config),
             float(extra.get("timeout_s", 5.0)),
             float(extra.get("retry_interval_s", 5.0)),
-            attach=is_worker,
+            "worker" if is_worker else "scheduler",
         )
         self._link.connect(at_start=True)  # a mismatch raises here; kvpool down only starts an incident
         if role == KVConnectorRole.SCHEDULER:

@@ -7,14 +7,17 @@ Reads one JSON request per line, [{"token_ids": [...], "cache_salt": "..."}, ...
 "stats": the connector's counters}. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # the tests dump this process's stacks when it does not answer
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
