@@ -8,10 +8,11 @@ random Llama (2 layers, 2 KV heads of 32, vocab 256): vLLM's CPU block is 32 tok
 
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +57,9 @@ class Engine:
             cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
         )  # fmt: skip
         self.stats: dict[str, int] = {}
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
         try:
             self._read(ENGINE_START_S)
         except BaseException:
@@ -65,20 +69,26 @@ class Engine:
 
     def _read(self, timeout: float) -> dict[str, Any]:
         """The next JSON line of the engine (vLLM logs on stdout too: they go to the log)."""
-        assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
                 self.proc.send_signal(signal.SIGUSR1)  # its Python stacks, into the log
                 time.sleep(1)
-                raise TimeoutError(f"the engine did not answer in {timeout} s:\n{self.output()[-6000:]}")
-            line = self.proc.stdout.readline()
-            if not line:
+                raise TimeoutError(f"the engine did not answer in {timeout} s:\n{self.output()[-6000:]}") from None
+            if line is None:
                 raise RuntimeError(f"the engine exited ({self.proc.wait()}):\n{self.output()[-3000:]}")
             if line.startswith("{"):
                 return dict(json.loads(line))
             self.log.write(line)
+
+    def _pump(self) -> None:
+        # A thread, not select(): select() cannot see lines already read into the pipe's buffer.
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
 
     def generate(self, *prompts: list[int] | tuple[list[int], str], timeout: float = 120) -> list[dict[str, Any]]:
         assert self.proc.stdin is not None
@@ -102,6 +112,7 @@ class Engine:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._reader.join(10)
         if self.proc.stdout:
             self.proc.stdout.close()
         self.log.close()
