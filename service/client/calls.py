@@ -130,8 +130,9 @@ class Calls:
         ttl_s: float | None = None,
         cache_salt: str | None = None,
     ) -> Call[SequenceInfo]:
-        fields = (("seq_id", seq_id), ("token_ids", token_ids), ("ttl_s", ttl_s), ("cache_salt", cache_salt))
-        body = {k: list(v) if k == "token_ids" else v for k, v in fields if v is not None}
+        fields: dict[str, Any] = {"seq_id": seq_id, "token_ids": None if token_ids is None else list(token_ids)}
+        fields |= {"ttl_s": ttl_s, "cache_salt": cache_salt}
+        body = {k: v for k, v in fields.items() if v is not None}
         return Call("POST", "/v1/sequences", lambda b: SequenceInfo(**b), body)
 
     @staticmethod

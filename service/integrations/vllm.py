@@ -109,10 +109,8 @@ def model_geometry(vllm_config: VllmConfig) -> Geometry:
 
 
 class KVPoolConnector(KVConnectorBase_V1):
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None
-    ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         if not extra.get("kvpool_url"):
             raise ValueError("KVPoolConnector needs kv_connector_extra_config.kvpool_url (e.g. http://127.0.0.1:8000)")
