@@ -10,6 +10,7 @@ not faults: they raise, so that vLLM refuses to start with the message.
 
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 import httpx
 
 from service.client import AttachedPool, KVPoolClient, SequenceInfo
-from service.core.errors import KVPoolError
+from service.core.errors import KVPoolError, SequenceNotFound
 
 logger = logging.getLogger("service.integrations.vllm")
 T = TypeVar("T")
@@ -61,6 +62,7 @@ class KVPoolLink:
         self._faults: set[str] = set()  # kinds of fault in the current incident (logged once each)
         self._retry_at = 0.0
         self.disabled = ""  # why the link is off for good (a mismatch found after start)
+        self._orphans: set[str] = set()
 
     # -- connecting ---------------------------------------------------------------------------
     def connect(self, at_start: bool) -> bool:
@@ -137,23 +139,43 @@ class KVPoolLink:
                 ", ".join(sorted(self._faults)),
             )
             self._faults.clear()
+        for seq_id in list(self._orphans):  # creates that may have run while their answer was lost
+            try:
+                self.client.free(seq_id)
+            except SequenceNotFound:
+                pass
+            except (httpx.HTTPError, KVPoolError):
+                continue  # kept for the next recovery
+            self._orphans.discard(seq_id)
+            self.stats["orphans_freed"] += 1
 
     def call(self, fn: Callable[[], T]) -> T | None:
         """fn() or, on a fault, None (logged and counted). A restart found here is handled by the next usable()."""
         try:
             return fn()
-        except httpx.HTTPError as exc:
-            self.fault("unreachable", exc)
-        except KVPoolError as exc:
-            kind = {"out_of_pages": "out_of_pages", "quota_exceeded": "quota_exceeded"}.get(exc.code, "error")
-            self.fault(kind, exc)
+        except (httpx.HTTPError, KVPoolError) as exc:
+            self.record(exc)
         return None
+
+    def record(self, exc: httpx.HTTPError | KVPoolError) -> None:
+        if isinstance(exc, httpx.HTTPError):
+            self.fault("unreachable", exc)
+        else:
+            self.fault(exc.code if exc.code in ("out_of_pages", "quota_exceeded") else "error", exc)
 
     # -- the calls the connector makes ----------------------------------------------------------
     def create(self, token_ids: list[int], cache_salt: str | None) -> SequenceInfo | None:
-        # ttl_s=0: no lease even where KVPOOL_DEFAULT_TTL_S is set (a lease could free a save before its
-        # K/V is written, and that free would commit unwritten pages).
-        return self.call(lambda: self.client.create_sequence(token_ids=token_ids, ttl_s=0, cache_salt=cache_salt))
+        """A sequence on the longest cached prefix of `token_ids`, or None (a fault).
+
+        The id is ours, so a create whose answer is lost (a timeout: the server may still run it)
+        is freed once kvpool answers again. ttl_s=0: no lease even where KVPOOL_DEFAULT_TTL_S is set
+        (an expiry frees, and a free commits pages whose K/V a save may not have written yet).
+        """
+        seq_id = uuid.uuid4().hex
+        info = self.call(lambda: self.client.create_sequence(seq_id, token_ids, ttl_s=0, cache_salt=cache_salt))
+        if info is None:
+            self._orphans.add(seq_id)
+        return info
 
     def free(self, seq_id: str) -> bool:
         return self.call(lambda: self.client.free(seq_id)) is not None

@@ -25,9 +25,11 @@ pipeline parallelism) and vLLM's CPU attention layout are supported; others are 
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import httpx
 import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import Geometry, KVPoolLink
 from service.integrations.vllm_layout import check_layout, kv_views
 
@@ -82,6 +85,9 @@ class SaveJob:
 class KVPoolMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+
+
+_Job = TypeVar("_Job", LoadJob, SaveJob)
 
 
 @dataclass
@@ -234,7 +240,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVPoolMetadata)
         self._failed_reqs = set()
         for job in meta.loads:
-            if not self._load(job):
+            if not self._guarded(self._load, job):
                 self._link.stats["load_failures"] += 1
                 self._failed_reqs.add(job.req_id)
                 first, stop = job.start // self._block_size, -(-(job.start + job.count) // self._block_size)
@@ -242,8 +248,10 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def _load(self, job: LoadJob) -> bool:
         link = self._link
+        if not link.usable():  # may map a new pool (a restart): read link.pool after it
+            return False
         pool = link.pool
-        if not link.usable() or pool is None:
+        if pool is None:
             return False
         tokens = torch.arange(job.start, job.start + job.count)
         pages = torch.tensor(job.pages)[tokens // pool.page_size]
@@ -275,7 +283,16 @@ class KVPoolConnector(KVConnectorBase_V1):
         for job in meta.saves:
             # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, we save none of it.
             if job.req_id not in self._failed_reqs and self._link.usable():
-                self._save(job)
+                self._guarded(self._save, job)
+
+    def _guarded(self, fn: Callable[[_Job], bool | None], job: _Job) -> bool:
+        """fn(job); a bug of ours or an unexpected error fails this one load or save, never vLLM's step."""
+        try:
+            return fn(job) is not False
+        except Exception:
+            self._link.stats["internal_errors"] += 1
+            logger.exception("kvpool connector: %s of request %s failed", fn.__name__.strip("_"), job.req_id)
+            return False
 
     def _save(self, job: SaveJob) -> None:
         link = self._link
@@ -284,9 +301,20 @@ class KVPoolConnector(KVConnectorBase_V1):
             return
         start = seq.cached_tokens
         if start < job.end:
-            appended = link.call(lambda: link.client.append(seq.seq_id, token_ids=job.token_ids[start : job.end]))
-            if appended is None or not self._write(job, start, appended.slots):
-                return  # not freed: a free would commit pages whose K/V may be unwritten (a leak, logged)
+            try:
+                appended = link.client.append(seq.seq_id, token_ids=job.token_ids[start : job.end])
+            except KVPoolError as exc:  # refused whole (out of pages, quota): nothing was appended
+                link.record(exc)
+                link.free(seq.seq_id)
+                return
+            except httpx.HTTPError as exc:
+                # Not freed: the append may have run, and a free would commit its unwritten pages.
+                link.record(exc)
+                link.stats["sequences_left"] += 1
+                return
+            if not self._write(job, start, appended.slots):
+                link.stats["sequences_left"] += 1  # the same: written into a pool that is not the server's
+                return
             link.stats["saved_tokens"] += job.end - start
         link.free(seq.seq_id)
 

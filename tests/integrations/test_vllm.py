@@ -47,7 +47,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 class Engine:
     """One vLLM engine process; generate() sends prompts and returns its outputs and connector counters."""
 
-    def __init__(self, model: str, kvpool_url: str | None, log: Path) -> None:
+    def __init__(self, model: str, kvpool_url: str | None, log: Path, wait: bool = True) -> None:
         self.log_path = log
         self.log = log.open("w")
         config = json.dumps({"model": model, "kvpool_url": kvpool_url, "block_size": BLOCK, "max_tokens": 8})
@@ -60,6 +60,10 @@ class Engine:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         try:
             self._read(ENGINE_START_S)
         except BaseException:
@@ -90,14 +94,20 @@ class Engine:
             self._lines.put(line)
         self._lines.put(None)
 
-    def generate(self, *prompts: list[int] | tuple[list[int], str], timeout: float = 120) -> list[dict[str, Any]]:
+    def send(self, *prompts: list[int] | tuple[list[int], str]) -> None:
         assert self.proc.stdin is not None
         body = [{"token_ids": p} if isinstance(p, list) else {"token_ids": p[0], "cache_salt": p[1]} for p in prompts]
         self.proc.stdin.write(json.dumps(body) + "\n")
         self.proc.stdin.flush()
+
+    def receive(self, timeout: float = 120) -> list[dict[str, Any]]:
         answer = self._read(timeout)
         self.stats = answer["stats"]
         return list(answer["outputs"])
+
+    def generate(self, *prompts: list[int] | tuple[list[int], str], timeout: float = 120) -> list[dict[str, Any]]:
+        self.send(*prompts)
+        return self.receive(timeout)
 
     def output(self) -> str:
         if not self.log.closed:
@@ -219,18 +229,31 @@ def test_tokens_equal_vllm_alone_and_a_second_engine_loads_from_kvpool(
     assert pool["pages_cached"] > 0
 
 
-def test_cache_salts_never_share(
+def test_two_engines_at_once_share_prefixes_and_cache_salts_stay_apart(
     model_dir: str, reference: dict[str, list[int]], pool16: KVPool, tmp_path: Path
 ) -> None:
-    engine = Engine(model_dir, pool16.url, tmp_path / "salt.log")
+    engines = [Engine(model_dir, pool16.url, tmp_path / f"engine{i}.log", wait=False) for i in range(2)]
     try:
+        for engine in engines:
+            engine.wait_ready()
+        x, y = engines
         prompt = PROMPTS["salted"]
-        runs = [engine.generate(p)[0] for p in ((prompt, "a"), (prompt, "b"), (prompt, "a"), prompt, (prompt, "b"))]
+        # x saves under salt a; y (another process) hits it; salt b misses a's pages; y saves b, x hits it;
+        # no salt misses both.
+        runs = [x.generate((prompt, "a")), y.generate((prompt, "a")), y.generate((prompt, "b"))]
+        runs += [x.generate((prompt, "b")), x.generate(prompt)]
+        assert [r[0]["token_ids"] for r in runs] == [reference["salted"]] * 5
+        assert [r[0]["num_cached_tokens"] for r in runs] == [0, 64, 0, 64, 0]
+        for engine in engines:  # both at once, on prompts the other engines saved
+            engine.send(PROMPTS["partial"], PROMPTS["exact"], PROMPTS["other"])
+        both = [engine.receive() for engine in engines]
     finally:
-        engine.close()
-    assert all(out["token_ids"] == reference["salted"] for out in runs)
-    # a saves, b misses a's pages and saves its own, a hits, no salt misses both, b hits its own.
-    assert [out["num_cached_tokens"] for out in runs] == [0, 0, 64, 0, 64]
+        for engine in engines:
+            engine.close()
+    for outputs in both:
+        assert [o["token_ids"] for o in outputs] == [reference[n] for n in ("partial", "exact", "other")]
+    pool = pool16.pool()
+    assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
 
 
 def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[int]], tmp_path: Path) -> None:
@@ -251,6 +274,17 @@ def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[i
             back = [engine.generate(PROMPTS["exact"])[0] for _ in range(2)]
             assert [o["token_ids"] for o in back] == [reference["exact"]] * 2
             assert [o["num_cached_tokens"] for o in back] == [0, 96]  # saved into the new pool, then loaded
+            servers[-1].proc.send_signal(signal.SIGSTOP)  # kvpool hangs: calls time out (2 s here)
+            try:
+                frozen = engine.generate(PROMPTS["exact"], timeout=60)[0]
+            finally:
+                servers[-1].proc.send_signal(signal.SIGCONT)
+            assert (frozen["token_ids"], frozen["num_cached_tokens"]) == (reference["exact"], 0)
+            time.sleep(1.0)
+            # Back: the creates that timed out (and ran later) are freed, and the prefix loads again.
+            again = engine.generate(PROMPTS["exact"])[0]
+            assert (again["token_ids"], again["num_cached_tokens"]) == (reference["exact"], 96)
+            assert engine.stats["orphans_freed"] >= 1
         finally:
             engine.close()
         pool = servers[-1].pool()
@@ -259,9 +293,9 @@ def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[i
             server.stop()
     assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
     log = engine.output()
-    for side in ("scheduler", "worker"):  # one warning per incident and side, and one when it ends
-        assert log.count(f"kvpool unreachable ({side})") == 1, log
-        assert log.count(f"kvpool is back ({side})") == 1, log
+    for side in ("scheduler", "worker"):  # one warning per incident (killed, frozen) and side, one when it ends
+        assert log.count(f"kvpool unreachable ({side})") == 2, log
+        assert log.count(f"kvpool is back ({side})") == 2, log
 
 
 def test_geometry_mismatch_is_refused(model_dir: str, tmp_path: Path) -> None:
