@@ -26,8 +26,7 @@ pipeline parallelism) and vLLM's CPU attention layout are supported; others are 
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import torch
@@ -41,8 +40,9 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.core.errors import KVPoolError
-from service.integrations.kvpool_link import Geometry, KVPoolLink
+from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_layout import check_layout, kv_views
+from service.integrations.vllm_metadata import Job, KVPoolMetadata, LoadJob, Pin, SaveJob, model_geometry
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -52,66 +52,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-@dataclass
-class LoadJob:
-    """Copy tokens [start, start + count) from kvpool `pages` (the pin's) into vLLM `block_ids`."""
-
-    req_id: str
-    pin_id: str
-    pages: list[int]
-    start: int
-    count: int
-    block_ids: list[int]
-
-
-@dataclass
-class SaveJob:
-    """Save tokens [0, end) (the KV of those kvpool does not hold yet) from vLLM `block_ids`.
-
-    token_ids has `end` ids, plus the next one where known (so that kvpool may match the last page).
-    """
-
-    req_id: str
-    token_ids: list[int]
-    end: int
-    block_ids: list[int]
-    cache_salt: str | None
-
-
-@dataclass
-class KVPoolMetadata(KVConnectorMetadata):
-    loads: list[LoadJob] = field(default_factory=list)
-    saves: list[SaveJob] = field(default_factory=list)
-
-
-_Job = TypeVar("_Job", LoadJob, SaveJob)
-
-
-@dataclass
-class _Pin:
-    seq_id: str
-    pages: list[int]  # the pages of tokens [0, hit)
-    hit: int  # cached tokens, cut to vLLM's block size
-    cached: int  # cached tokens as kvpool reported them (full pages)
-    start: int = 0  # tokens vLLM had locally when it asked
-
-
-def model_geometry(vllm_config: VllmConfig) -> Geometry:
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ValueError("kvpool's vLLM connector supports one worker (tensor and pipeline parallel size 1)")
-    if model.use_mla:
-        raise ValueError("kvpool's vLLM connector does not support MLA models yet")
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    dtype = model.dtype if cache_dtype == "auto" else None
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"kvpool's vLLM connector needs a float32/float16/bfloat16 KV cache, not {cache_dtype}")
-    return Geometry(
-        model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(), _DTYPE_NAMES[dtype]
-    )
 
 
 class KVPoolConnector(KVConnectorBase_V1):
@@ -139,7 +79,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         # Scheduler side.
         self._requests: dict[str, Request] = {}
-        self._pins: dict[str, _Pin] = {}
+        self._pins: dict[str, Pin] = {}
         self._saved: dict[str, int] = {}  # tokens of each request kvpool holds or a save is under way for
         self._loads: list[LoadJob] = []
         # Worker side: layer index -> (K, V) views [num_blocks, heads, block_size, head_dim].
@@ -163,7 +103,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         pin.start = num_computed_tokens
         return max(0, pin.hit - num_computed_tokens), False
 
-    def _pin(self, request: "Request") -> _Pin | None:
+    def _pin(self, request: "Request") -> Pin | None:
         link = self._link
         if not link.usable():
             return None
@@ -176,7 +116,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             link.free(info.seq_id)
             return None
         pages = info.block_table[: -(-hit // link.page_size)]
-        pin = _Pin(info.seq_id, pages, hit, info.cached_tokens)
+        pin = Pin(info.seq_id, pages, hit, info.cached_tokens)
         self._pins[request.request_id] = pin
         return pin
 
@@ -285,7 +225,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             if job.req_id not in self._failed_reqs and self._link.usable():
                 self._guarded(self._save, job)
 
-    def _guarded(self, fn: Callable[[_Job], bool | None], job: _Job) -> bool:
+    def _guarded(self, fn: Callable[[Job], bool | None], job: Job) -> bool:
         """fn(job); a bug of ours or an unexpected error fails this one load or save, never vLLM's step."""
         try:
             return fn(job) is not False

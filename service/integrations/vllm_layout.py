@@ -30,18 +30,24 @@ def kv_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_layout(layer: Any, cache: torch.Tensor) -> None:
     """Raise ValueError unless `kv_views` reads what `layer`'s attention backend writes into `cache`."""
+    backend = type(getattr(layer, "impl", layer)).__name__
+    refusal = (
+        f"kvpool's vLLM connector does not know the KV block layout of {backend} (cache shape "
+        f"{tuple(cache.shape)}): it supports vLLM's CPU attention ('vec' kernels)"
+    )
+    if cache.dim() != 4 or cache.shape[3] % 2:
+        raise ValueError(refusal)
     _, num_heads, block_size, twice_d = cache.shape
     scratch = torch.zeros((2, num_heads, block_size, twice_d), dtype=cache.dtype, device=cache.device)
     gen = torch.Generator().manual_seed(0)
     key = torch.randn((block_size, num_heads, twice_d // 2), generator=gen).to(cache.dtype).to(cache.device)
     value = torch.randn((block_size, num_heads, twice_d // 2), generator=gen).to(cache.dtype).to(cache.device)
     slots = torch.arange(block_size, 2 * block_size, device=cache.device)  # block 1, every offset
-    layer.impl.do_kv_cache_update(layer, key, value, scratch, slots)
+    try:
+        layer.impl.do_kv_cache_update(layer, key, value, scratch, slots)
+    except Exception as exc:
+        raise ValueError(f"{refusal}; writing a probe failed: {exc}") from exc
     k, v = kv_views(scratch)
     # k[1]: [heads, block_size, head_dim] -> [block_size, heads, head_dim] like `key`.
     if not (torch.equal(k[1].transpose(0, 1), key) and torch.equal(v[1].transpose(0, 1), value)):
-        backend = type(layer.impl).__name__
-        raise ValueError(
-            f"kvpool's vLLM connector does not know the KV block layout of {backend} "
-            f"(cache shape {tuple(cache.shape)}): it supports vLLM's CPU attention ('vec' kernels)"
-        )
+        raise ValueError(refusal)
