@@ -25,6 +25,7 @@ pipeline parallelism) and vLLM's CPU attention layout are supported; others are 
 """
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
-from service.integrations.vllm_layout import check_layout, kv_views
+from service.integrations.vllm_layout import check_layout, kv_views, read_tokens, write_tokens
 from service.integrations.vllm_metadata import Job, KVPoolMetadata, LoadJob, Pin, SaveJob, model_geometry
 
 if TYPE_CHECKING:
@@ -193,15 +194,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         pool = link.pool
         if pool is None:
             return False
-        tokens = torch.arange(job.start, job.start + job.count)
-        pages = torch.tensor(job.pages)[tokens // pool.page_size]
-        offsets = tokens % pool.page_size
-        blocks = torch.tensor(job.block_ids)[tokens // self._block_size]
-        block_offsets = tokens % self._block_size
+        end = job.start + job.count
+        began = time.perf_counter_ns()
         for layer, (k, v) in self._layers.items():
-            # pool.blocks[pages, kv, layer, offsets]: [T, H, D]; k[blocks, :, block_offsets]: [T, H, D]
-            k[blocks, :, block_offsets] = pool.blocks[pages, 0, layer, offsets].to(k.device)
-            v[blocks, :, block_offsets] = pool.blocks[pages, 1, layer, offsets].to(v.device)
+            for kv, view in ((0, k), (1, v)):
+                page_units = pool.blocks[:, kv, layer].transpose(1, 2)  # [pages + 1, H, page_size, D]
+                write_tokens(view, job.block_ids, job.start, read_tokens(page_units, job.pages, job.start, end))
+        link.stats["load_copy_ns"] += time.perf_counter_ns() - began
         # The copy is right only if the pin (hence its pages) lived throughout on the mapped server:
         # the pin exists now, and the server now is the mapped instance (ids are new at every start).
         if link.call(lambda: link.client.get_sequence(job.pin_id)) is None or not link.same_instance():
@@ -252,27 +251,25 @@ class KVPoolConnector(KVConnectorBase_V1):
                 link.record(exc)
                 link.stats["sequences_left"] += 1
                 return
-            if not self._write(job, start, appended.slots):
+            if not self._write(job, start, appended.block_table):
                 link.stats["sequences_left"] += 1  # the same: written into a pool that is not the server's
                 return
             link.stats["saved_tokens"] += job.end - start
         link.free(seq.seq_id)
 
-    def _write(self, job: SaveJob, start: int, slots: list[int]) -> bool:
-        """Copy tokens [start, job.end) into the pool at `slots`; True once the server is the mapped one."""
+    def _write(self, job: SaveJob, start: int, pages: list[int]) -> bool:
+        """Copy tokens [start, job.end) into the sequence's `pages`; True once the server is the mapped one."""
         link = self._link
         for _ in range(2):  # a restart between append and this check: map the new pool, write again
             pool = link.pool
             if pool is None:
                 return False
-            tokens = torch.arange(start, job.end)
-            slot = torch.tensor(slots)
-            pages, offsets = slot // pool.page_size, slot % pool.page_size
-            blocks = torch.tensor(job.block_ids)[tokens // self._block_size]
-            block_offsets = tokens % self._block_size
+            began = time.perf_counter_ns()
             for layer, (k, v) in self._layers.items():
-                pool.blocks[pages, 0, layer, offsets] = k[blocks, :, block_offsets].to(pool.device)
-                pool.blocks[pages, 1, layer, offsets] = v[blocks, :, block_offsets].to(pool.device)
+                for kv, view in ((0, k), (1, v)):
+                    page_units = pool.blocks[:, kv, layer].transpose(1, 2)  # [pages + 1, H, page_size, D]
+                    write_tokens(page_units, pages, start, read_tokens(view, job.block_ids, start, job.end))
+            link.stats["save_copy_ns"] += time.perf_counter_ns() - began
             if link.same_instance():
                 return True
             if not link.connect(at_start=False):

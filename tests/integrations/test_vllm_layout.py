@@ -44,3 +44,27 @@ def test_a_layout_it_does_not_know_is_refused() -> None:
         check_layout(layer, torch.zeros(4, 2, 32, 64))
     with pytest.raises(ValueError, match=r"cache shape \(2, 4, 32, 2, 32\)"):
         check_layout(layer, torch.zeros(2, 4, 32, 2, 32))  # a GPU-style [2, blocks, block_size, heads, d]
+
+
+@pytest.mark.parametrize("unit_size", [16, 32])
+@pytest.mark.parametrize(("start", "end"), [(0, 64), (32, 96), (5, 70), (17, 18), (0, 1)])
+def test_read_and_write_tokens_match_a_token_by_token_copy(unit_size: int, start: int, end: int) -> None:
+    from service.integrations.vllm_layout import read_tokens, write_tokens
+
+    gen = torch.Generator().manual_seed(start * 1000 + end)
+    num_units, heads, d = 12, 2, 8
+    units = torch.randn(num_units, heads, unit_size, d, generator=gen)
+    unit_ids = torch.randperm(num_units, generator=gen).tolist()  # the sequence's units, out of order
+    tokens = torch.arange(start, end)
+    where = torch.tensor(unit_ids)[tokens // unit_size], tokens % unit_size
+    assert torch.equal(read_tokens(units, unit_ids, start, end), units[where[0], :, where[1]])
+    values = torch.randn(end - start, heads, d, generator=gen)
+    expected = units.clone()
+    expected[where[0], :, where[1]] = values
+    write_tokens(units, unit_ids, start, values)
+    assert torch.equal(units, expected)  # the tokens written, and nothing else changed
+    # A transposed view, as the pool is read ([pages, P, H, D] -> [pages, H, P, D]): writes land in the base.
+    base = torch.zeros(num_units, unit_size, heads, d)
+    write_tokens(base.transpose(1, 2), unit_ids, start, values)
+    assert torch.equal(base.transpose(1, 2)[where[0], :, where[1]], values)
+    assert int((base != 0).sum()) == values.numel()
