@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--new", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
@@ -118,7 +119,7 @@ def main() -> None:
         make_model(Path(model), args.layers, args.hidden)
         port = 18000 + os.getpid() % 1000
         url = f"http://127.0.0.1:{port}"
-        pages = 4 * args.prompt // 16 + 64
+        pages = (4 * args.repeat + 2) * args.prompt // 16 + 64  # every prompt saved stays cached
         server = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--model", model, "--port", str(port), "--device", "cpu",
              "--num-pages", str(pages), "--log-level", "warning"],
@@ -133,14 +134,20 @@ def main() -> None:
                         break
                 except httpx.TransportError:
                     time.sleep(0.2)
-            cold_a, cold_a2 = prompts(1, args.prompt)
-            cold_b, _ = prompts(2, args.prompt)
-            miss_a, hit_a = prompts(3, args.prompt)
-            miss_b, _ = prompts(4, args.prompt)
+            # Each figure is the median of --repeat requests, each on prompts of its own.
+            r = range(args.repeat)
+            cold = [prompts(10 + i, args.prompt) for i in r]
+            miss = [prompts(20 + i, args.prompt) for i in r]
             alone = run_phase(model, None, True, [
-                ["cold_ttft", cold_a, 1], ["cold_total", cold_b, args.new], ["own_hit_ttft", cold_a2, 1]])  # fmt: skip
-            first = run_phase(model, url, False, [["miss_ttft", miss_a, 1], ["miss_total", miss_b, args.new]])
-            fresh = run_phase(model, url, False, [["kvpool_hit_ttft", hit_a, 1]])
+                *[[f"cold_ttft{i}", cold[i][0], 1] for i in r],
+                *[[f"own_hit_ttft{i}", cold[i][1], 1] for i in r],
+                *[[f"cold_total{i}", prompts(30 + i, args.prompt)[0], args.new] for i in r],
+            ])  # fmt: skip
+            first = run_phase(model, url, False, [
+                *[[f"miss_ttft{i}", miss[i][0], 1] for i in r],
+                *[[f"miss_total{i}", prompts(40 + i, args.prompt)[0], args.new] for i in r],
+            ])  # fmt: skip
+            fresh = run_phase(model, url, False, [[f"kvpool_hit_ttft{i}", miss[i][1], 1] for i in r])
         finally:
             server.terminate()
             server.wait(30)
@@ -148,7 +155,11 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, alone: dict[str, Any], first: dict[str, Any], fresh: dict[str, Any]) -> None:
-    t = {**alone["times"], **first["times"], **fresh["times"]}
+    every = {**alone["times"], **first["times"], **fresh["times"]}
+    t = {}
+    for name in {key.rstrip("0123456789") for key in every}:
+        runs = sorted((v for k, v in every.items() if k.rstrip("0123456789") == name), key=lambda v: v["s"])
+        t[name] = runs[len(runs) // 2]  # the median
     kv_heads, token_bytes = max(1, args.hidden // 128), 0
     token_bytes = args.layers * 2 * kv_heads * 64 * 4
     print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {args.hidden // 64} query / {kv_heads} KV "
