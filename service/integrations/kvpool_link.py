@@ -71,6 +71,9 @@ class KVPoolLink:
             pool = self.client.pool()
             self.check_geometry(pool)
             mapped = self.client.attach() if self.attach else None
+            if mapped is not None and mapped.device.type == "cpu":
+                # Fault the mapping in now (one read per 4 KiB page), not during the first loads and saves.
+                mapped.blocks.view(-1)[:: 4096 // mapped.blocks.element_size()].sum()
         except (GeometryMismatch, KVPoolError) as exc:
             status = getattr(exc, "status", 0)
             if isinstance(exc, GeometryMismatch) or status in (401, 403):

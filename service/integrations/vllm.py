@@ -18,8 +18,9 @@ ids (what kvpool has already is matched, not copied), the rest appended, its K/V
 blocks into the pool at the appended slots, the server's instance checked, and the sequence freed,
 which commits the pages to kvpool's prefix cache. K/V moves only through the mapped pool.
 
-vLLM's block size and kvpool's page size are independent: copies go token by token (slot = page x
-page_size + offset on one side, block x block_size + offset on the other). A request's `cache_salt`
+vLLM's block size and kvpool's page size are independent: a copy gathers the whole blocks (pages) that
+hold a token range and scatters the range into the pages (blocks) on the other side (vllm_layout's
+read_tokens / write_tokens: token t lives in unit t // size at offset t % size). A request's `cache_salt`
 salts kvpool's prefix hashes, so different salts never share pages. One worker (no tensor or
 pipeline parallelism) and vLLM's CPU attention layout are supported; others are refused at start.
 """
