@@ -1,11 +1,12 @@
 """Settings, read from KVPOOL_* environment variables (or passed in), validated at start."""
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.hf_model import pool_geometry
 from service.tenancy import parse_api_keys, parse_tenant_names
 from service.wire.dtypes import DTYPES, PoolDtype, ScaleDtype
 
@@ -15,6 +16,11 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVPOOL_", extra="ignore", validate_default=True)
 
+    model: str = Field(
+        "",
+        description="a HuggingFace model directory: its config.json sets num_layers, num_kv_heads, head_dim "
+        "and dtype, unless those are given too",
+    )
     # Pool geometry: the default is small enough to start in about a second on a laptop CPU.
     num_layers: int = Field(4, ge=1, le=1024, description="transformer layers held in the pool")
     num_kv_heads: int = Field(2, ge=1, le=1024)
@@ -35,6 +41,13 @@ class Settings(BaseSettings):
     # MLA pools: one latent of head_dim channels per token; the values are its first kv_lora_rank.
     mla: bool = False
     kv_lora_rank: int = Field(512, ge=1, le=4096, description="MLA: value width, < head_dim")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _geometry_from_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("model"):
+            return {**pool_geometry(str(data["model"])), **data}  # settings given explicitly win
+        return data
 
     @field_validator("device")
     @classmethod

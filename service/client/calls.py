@@ -107,8 +107,11 @@ class Calls:
     """The requests of API v1, shared by the sync and async clients."""
 
     @staticmethod
-    def create_sequence(seq_id: str | None, token_ids: Sequence[int] | None, ttl_s: float | None) -> Call[SequenceInfo]:
-        fields = {"seq_id": seq_id, "token_ids": list(token_ids) if token_ids is not None else None, "ttl_s": ttl_s}
+    def create_sequence(
+        seq_id: str | None, token_ids: Sequence[int] | None, ttl_s: float | None, cache_salt: str | None
+    ) -> Call[SequenceInfo]:
+        fields: dict[str, Any] = {"seq_id": seq_id, "token_ids": None if token_ids is None else list(token_ids)}
+        fields |= {"ttl_s": ttl_s, "cache_salt": cache_salt}
         body = {name: value for name, value in fields.items() if value is not None}
         return Call("POST", "/v1/sequences", SequenceInfo.model_validate_json, body)
 

