@@ -108,7 +108,10 @@ class Calls:
 
     @staticmethod
     def create_sequence(
-        seq_id: str | None, token_ids: Sequence[int] | None, ttl_s: float | None, cache_salt: str | None
+        seq_id: str | None,
+        token_ids: Sequence[int] | None,
+        ttl_s: float | None = None,
+        cache_salt: str | None = None,
     ) -> Call[SequenceInfo]:
         fields: dict[str, Any] = {"seq_id": seq_id, "token_ids": None if token_ids is None else list(token_ids)}
         fields |= {"ttl_s": ttl_s, "cache_salt": cache_salt}
