@@ -46,7 +46,7 @@ def prompts(seed: int, length: int) -> tuple[list[int], list[int]]:
 def phase(config: dict[str, Any]) -> None:
     """One engine: run config["runs"] ([name, token_ids, max_tokens]) and print their wall times as JSON."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
@@ -62,15 +62,16 @@ def phase(config: dict[str, Any]) -> None:
         kv_transfer_config=transfer,
     )  # fmt: skip
     # Warm-up on a full-length prompt of its own (the first long prefill of a process pays allocations).
-    warm = [{"prompt_token_ids": [3 + i % 1000 for i in range(config["warmup_tokens"])]}]
+    warm = [TokensPrompt(prompt_token_ids=[3 + i % 1000 for i in range(config["warmup_tokens"])])]
     llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
     times: dict[str, Any] = {}
     for name, token_ids, max_tokens in config["runs"]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         began = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+        out = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
         times[name] = {"s": time.perf_counter() - began, "cached": out.num_cached_tokens}
-    stats = dict(get_kv_transfer_group().stats) if has_kv_transfer_group() else {}
+    connector: Any = get_kv_transfer_group() if has_kv_transfer_group() else None  # a KVPoolConnector
+    stats = dict(connector.stats) if connector is not None else {}
     print("RESULT " + json.dumps({"times": times, "stats": stats}), flush=True)
 
 
