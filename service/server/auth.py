@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.core.errors import Forbidden
 from service.server.errors import error_response
 from service.server.state import StateDep, TenantDep
+from service.wire.errors import status_of
 
 
 def is_protected(path: str) -> bool:
@@ -54,7 +55,7 @@ class BearerAuth:
                 await self.app(scope, receive, send)
                 return
             problem, challenge = "invalid API key", 'Bearer realm="kvpool", error="invalid_token"'
-        response = error_response(401, "unauthorized", problem, {"WWW-Authenticate": challenge})
+        response = error_response(status_of("unauthorized"), "unauthorized", problem, {"WWW-Authenticate": challenge})
         await response(scope, receive, send)
 
 

@@ -53,14 +53,15 @@ async def _kvpool_error(request: Request, exc: Exception) -> Response:
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return error_response(422, "invalid_request", _describe_validation(exc.errors()))
+    return error_response(status_of("invalid_request"), "invalid_request", _describe_validation(exc.errors()))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 400:
         # FastAPI's answer to a body it cannot decode (e.g. not UTF-8): bad input like any other, so 422.
-        return error_response(422, "invalid_request", f"the request body cannot be read: {exc.detail}")
+        message = f"the request body cannot be read: {exc.detail}"
+        return error_response(status_of("invalid_request"), "invalid_request", message)
     code = HTTP_CODES.get(exc.status_code, "http_error")
     headers = exc.headers
     if exc.status_code == 405:
@@ -77,7 +78,7 @@ def _documented_methods(request: Request) -> list[str]:
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
+    return error_response(status_of("internal_error"), "internal_error", f"{type(exc).__name__}: {exc}")
 
 
 def install_error_handlers(app: FastAPI) -> None:

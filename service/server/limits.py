@@ -1,9 +1,11 @@
 """KVPOOL_MAX_REQUEST_BYTES: larger request bodies get 413 `payload_too_large` before they are read in full."""
 
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.server.errors import error_response
+from service.wire.errors import status_of
 
 
 class BodyTooLarge(HTTPException):
@@ -16,6 +18,10 @@ class BodyTooLarge(HTTPException):
 
 def too_large_message(limit: int) -> str:
     return f"the request body is larger than KVPOOL_MAX_REQUEST_BYTES={limit} bytes"
+
+
+def too_large(limit: int) -> Response:
+    return error_response(status_of("payload_too_large"), "payload_too_large", too_large_message(limit))
 
 
 class BodySizeLimit:
@@ -34,7 +40,7 @@ class BodySizeLimit:
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if declared is not None and declared.isdigit():
             if int(declared) > limit:
-                await error_response(413, "payload_too_large", too_large_message(limit))(scope, receive, send)
+                await too_large(limit)(scope, receive, send)
                 return
             if b"transfer-encoding" not in (k for k, _ in scope["headers"]):
                 # The server reads exactly Content-Length bytes of body: nothing to count.
@@ -64,4 +70,4 @@ class BodySizeLimit:
             # Only when the body was read outside FastAPI's error handling (e.g. by another middleware).
             if started:
                 raise
-            await error_response(413, "payload_too_large", too_large_message(limit))(scope, receive, send)
+            await too_large(limit)(scope, receive, send)

@@ -6,8 +6,10 @@ from starlette.responses import Response
 
 import service.core
 from service.config import Settings
+from service.server.errors import error_response
 from service.server.routes.table import RouteTable
 from service.server.state import StateDep, json_response
+from service.wire.errors import status_of
 from service.wire.models import PoolOut, error_responses
 
 routes = RouteTable(tags=["pool"])
@@ -60,5 +62,5 @@ async def healthz() -> Response:
 async def readyz(pool: StateDep) -> Response:
     """The pool is allocated and the server takes requests (503 while shutting down)."""
     if not pool.ready:
-        return json_response({"error": {"code": "not_ready", "message": "shutting down"}}, 503)
+        return error_response(status_of("not_ready"), "not_ready", "shutting down")
     return json_response({"status": "ready", "instance_id": pool.instance_id})
