@@ -45,3 +45,8 @@ def all_finite(x: torch.Tensor) -> bool:
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float16):
         return bool(np.isfinite(x.numpy()).all())
     return bool(torch.isfinite(x).all())
+
+
+def kv_nbytes(kv: tuple[torch.Tensor, torch.Tensor | None] | None) -> int:
+    """Bytes of the K/V decode_kv_input() returned (0 for None)."""
+    return 0 if kv is None else sum(t.nbytes for t in kv if t is not None)

@@ -120,3 +120,48 @@ def test_close_lets_queued_jobs_finish_then_refuses_more(engine: Engine) -> None
     with pytest.raises(RuntimeError):
         engine.call(lambda: None)
     engine.close()  # idempotent
+
+
+def test_a_small_job_runs_inline_only_when_the_worker_is_idle(engine: Engine) -> None:
+    """inline=True runs the job at once on the loop's thread if nothing is queued or running; otherwise
+    it waits its turn on the worker, behind what was submitted before it (FIFO is kept)."""
+    ran: list[tuple[str, threading.Thread]] = []
+    release = threading.Event()
+
+    def record(name: str) -> str:
+        ran.append((name, threading.current_thread()))
+        return name
+
+    async def main() -> None:
+        assert await engine.submit(lambda: record("idle"), inline=True) == "idle"
+        slow = engine.submit(lambda: (release.wait(5), record("slow"))[1])
+        behind = engine.submit(lambda: record("behind"), inline=True)  # the worker is busy: queued
+        release.set()
+        assert await slow == "slow" and await behind == "behind"
+        assert await engine.submit(lambda: record("idle again"), inline=True) == "idle again"
+        big = engine.submit(lambda: record("big"), inline=False)  # not small: the worker, even when idle
+        assert await big == "big"
+
+    asyncio.run(main())
+    names = [name for name, _ in ran]
+    assert names == ["idle", "slow", "behind", "idle again", "big"]
+    threads = dict(ran)
+    assert threads["idle"] is threads["idle again"] is threading.main_thread()
+    assert threads["slow"] is threads["behind"] is threads["big"] is not threading.main_thread()
+
+
+def test_an_inline_job_may_use_the_device_and_its_error_reaches_the_caller(engine: Engine) -> None:
+    async def main() -> None:
+        await engine.submit(lambda: engine.copy_pages([(0, 1)]), inline=True)  # device methods allowed inline
+        with pytest.raises(ZeroDivisionError):
+            await engine.submit(lambda: 1 // 0, inline=True)
+        with pytest.raises(AssertionError):
+            engine.copy_pages([(0, 1)])  # but not on the loop outside a job
+
+    asyncio.run(main())
+
+
+def test_fits_inline_bounds(engine: Engine) -> None:
+    assert engine.fits_inline(Engine.INLINE_MAX_FLOPS, Engine.INLINE_MAX_BYTES)
+    assert not engine.fits_inline(Engine.INLINE_MAX_FLOPS + 1)
+    assert not engine.fits_inline(nbytes=Engine.INLINE_MAX_BYTES + 1)

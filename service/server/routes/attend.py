@@ -3,13 +3,14 @@
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from fastapi import Request
 from starlette.responses import Response
 
 from service.core.errors import InvalidRequest
 from service.server.bodies import read_json
-from service.server.kv_input import decode_kv_input
+from service.server.kv_input import decode_kv_input, kv_nbytes
 from service.server.metrics import MetricsDep
 from service.server.routes.table import RouteTable
 from service.server.state import StateDep, TenantDep, json_response
@@ -60,5 +61,9 @@ async def attend(request: Request, pool: StateDep, tenant: TenantDep, metrics: M
         metrics.observe_attention(kernel, pool.engine.backend, started)
         return encode(out)
 
-    out = await pool.engine.submit(write_and_attend)  # no await since the bookkeeping: device work keeps its order
+    pairs = int((np.asarray(q_lens) * (cache_lengths + np.asarray(q_lens))).sum())  # (query, key) pairs, at most
+    flops = 4 * shape[1] * s.head_dim * pairs
+    inline = pool.engine.fits_inline(flops, q.nbytes + kv_nbytes(kv))
+    # Submitted with no await since the bookkeeping: device work keeps its order.
+    out = await pool.engine.submit(write_and_attend, inline)
     return json_response({"out": out})

@@ -7,7 +7,7 @@ from fastapi import Path, Request
 from starlette.responses import Response
 
 from service.server.bodies import read_json, read_optional_json
-from service.server.kv_input import decode_kv_input
+from service.server.kv_input import decode_kv_input, kv_nbytes
 from service.server.routes.table import RouteTable
 from service.server.state import StateDep, TenantDep, json_response
 from service.wire.models import (
@@ -57,7 +57,8 @@ async def append_tokens(seq_id: SeqIdPath, request: Request, pool: StateDep, ten
     # The answer describes the sequence as this append left it, whatever requests run while the device works.
     answer = {**pool.sequence_body(seq), "slots": ext.slots.tolist()}
     if ext.copies or kv is not None:  # submitted with no await since the bookkeeping: device work keeps its order
-        await pool.engine.submit(write_appended)
+        nbytes = len(ext.copies) * s.page_nbytes + kv_nbytes(kv)
+        await pool.engine.submit(write_appended, pool.engine.fits_inline(nbytes=nbytes))
     return json_response(answer)
 
 

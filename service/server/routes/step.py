@@ -40,7 +40,8 @@ async def step(request: Request, pool: StateDep, tenant: TenantDep) -> Response:
     )
     if result.copies:  # copy-on-write, submitted with no await since the bookkeeping (device work keeps its order)
         copies = result.copies
-        await pool.engine.submit(lambda: pool.engine.copy_pages(copies))
+        nbytes = len(copies) * pool.settings.page_nbytes
+        await pool.engine.submit(lambda: pool.engine.copy_pages(copies), pool.engine.fits_inline(nbytes=nbytes))
     return answer
 
 
