@@ -47,7 +47,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     # kvpool's own loggers (kvpool.*) print beside uvicorn's, at the same level.
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    level = logging.DEBUG if args.log_level.lower() == "trace" else args.log_level.upper()  # (uvicorn's "trace")
+    logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
 
     from service.server.app import create_app
 

@@ -25,7 +25,7 @@ def pool_geometry(model_dir: str) -> dict[str, Any]:
         raise ValueError(f"cannot read the model's config {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not JSON: {exc}") from None
-    config = config.get("text_config", config)  # multimodal configs nest the language model's
+    top, config = config, config.get("text_config", config)  # multimodal configs nest the language model's
     try:
         num_heads = int(config["num_attention_heads"])
         geometry: dict[str, Any] = {
@@ -37,7 +37,8 @@ def pool_geometry(model_dir: str) -> dict[str, Any]:
         raise ValueError(
             f"{path} lacks the geometry of a decoder (num_hidden_layers, num_attention_heads, ...): {exc}"
         ) from None
-    dtype = _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or ""))
+    named = [c.get("dtype") or c.get("torch_dtype") for c in (config, top)]
+    dtype = _DTYPES.get(str(next((n for n in named if n), "")))
     if dtype:
         geometry["dtype"] = dtype
     return geometry

@@ -15,7 +15,7 @@ import torch
 from pydantic import ValidationError
 
 from service.wire.errors import error_from_envelope
-from service.wire.models import AppendOut, AttendOut, ErrorOut, FreeOut, SequenceOut, StepOut, Tensor
+from service.wire.models import AppendOut, AttendOut, ErrorOut, FreeOut, SequenceOut, StepOut, TensorOut
 from service.wire.tensors import decode, encode
 
 SequenceInfo = SequenceOut  # .seq_id .length .block_table .cached_tokens, and .ttl_s .expires_in_s on leases
@@ -47,7 +47,7 @@ class StepResult:
         )
 
 
-def _tensor(name: str, tensor: Tensor) -> torch.Tensor:
+def _tensor(name: str, tensor: TensorOut) -> torch.Tensor:
     return decode(name, tensor.dtype, tensor.shape, tensor.data)
 
 
@@ -96,10 +96,13 @@ StepAppend = tuple[str, int] | tuple[str, int, Sequence[int] | None]
 
 
 def _with_kv(body: dict[str, Any], k: torch.Tensor | None, v: torch.Tensor | None) -> dict[str, Any]:
-    if k is not None or v is not None:
-        if k is None or v is None:
-            raise ValueError("k and v come together")
-        body["k"], body["v"] = encode(k), encode(v)
+    """k and v, or k alone (an MLA pool's latent); the server checks them against its pool."""
+    if v is not None and k is None:
+        raise ValueError("v needs k")
+    if k is not None:
+        body["k"] = encode(k)
+    if v is not None:
+        body["v"] = encode(v)
     return body
 
 

@@ -107,7 +107,7 @@ class KVPoolClient(_Base):
 
     def check_attached(self, pool: AttachedPool) -> None:
         """Raise PoolLost if the server no longer serves the pool `pool` mapped."""
-        pool.check(self.readyz()["instance_id"])
+        pool.check(self.pool()["instance_id"])  # (/readyz answers 503 while the server drains)
 
     def close(self) -> None:
         self.http.close()
@@ -197,7 +197,7 @@ class AsyncKVPoolClient(_Base):
 
     async def check_attached(self, pool: AttachedPool) -> None:
         """Raise PoolLost if the server no longer serves the pool `pool` mapped."""
-        pool.check((await self.readyz())["instance_id"])
+        pool.check((await self.pool())["instance_id"])  # (/readyz answers 503 while the server drains)
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -3,8 +3,9 @@
 Every operation that takes pages (create with a prefix hit, fork, append, step) is planned, then
 applied: a plan (service.core.plan) works out everything the operation takes, check() holds it
 against the tenant's quota and the pages available, raising before anything changes, and apply()
-carries it out and cannot fail. The quota, the failure count, the commit of written pages to the
-prefix cache, the tenant's page count and the token count therefore each happen in one place.
+carries it out and cannot fail. The quota, the failure count, the tenant's page count and the token
+count therefore each happen in one place; pages are committed to the prefix cache by apply(), and
+by free() and a step's listed rows, which hold written pages without appending.
 
 Prefix-cache commits happen when a page's K/V is known to be written: at an append with
 data_written, at the next append or step naming the sequence, or at free. Leases renew on every

@@ -1,7 +1,8 @@
 """The one owner of device work on the pool: K/V writes, copy-on-write page copies, attention.
 
 The core hands out slots and pages on the event loop; every write into `blocks`, every page copy and
-every attention call runs here, on ONE worker thread, in the order it was submitted.
+every attention call goes through here and runs in the order it was submitted: on ONE worker thread,
+or, for a small job while that worker is idle, at once on the event loop.
 
 Decisions:
 - One worker thread, no lock. The worker serializes device work, so requests never race on the pool,
@@ -29,6 +30,7 @@ Decisions:
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import TypeVar, Unpack
@@ -50,7 +52,8 @@ class Engine:
         self.backend: str = self.impl.name  # triton | cpu | torch, as /v1/pool and the metrics report it
         self._worker_thread: threading.Thread | None = None
         self._pending = 0  # jobs submitted to the worker and not settled yet (read and written on the loop)
-        self._inline = False  # a job is running inline, on the event loop (the worker is idle)
+        self._inline_thread: threading.Thread | None = None  # the loop's thread while it runs a job inline
+        self._closed = False
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="kvpool-device", initializer=self._start_worker
         )
@@ -60,8 +63,12 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: this worker's launches go to the pool's GPU
 
+    def _pool_device(self) -> contextlib.AbstractContextManager[object]:
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _on_worker(self) -> bool:
-        return self._inline or threading.current_thread() is self._worker_thread
+        current = threading.current_thread()
+        return current is self._worker_thread or current is self._inline_thread
 
     # Bounds of a job that may run inline (see the module docstring): about a millisecond of work.
     INLINE_MAX_FLOPS = 1 << 23  # attention: 4 * q heads * head_dim * (query, key) pairs
@@ -71,7 +78,8 @@ class Engine:
         return flops <= self.INLINE_MAX_FLOPS and nbytes <= self.INLINE_MAX_BYTES
 
     def submit(self, job: Callable[[], T], inline: bool = False) -> "asyncio.Future[T]":
-        """Queue `job` on the device worker now; await the result without blocking the event loop.
+        """Queue `job` on the device worker now (or run it inline, below); await the result without
+        blocking the event loop.
 
         The job is queued when submit is called (not when the result is awaited), and runs even if the
         awaiting task is cancelled. Its exception, if any, reaches the awaiting caller; the worker goes on.
@@ -79,14 +87,17 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         result: asyncio.Future[T] = loop.create_future()
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         if inline and self._pending == 0:  # the worker is idle: nothing is ahead of this job
-            self._inline = True
+            self._inline_thread = threading.current_thread()
             try:
-                result.set_result(job())
+                with self._pool_device():  # the worker selected it once; the loop's thread has not
+                    result.set_result(job())
             except Exception as exc:
                 result.set_exception(exc)
             finally:
-                self._inline = False
+                self._inline_thread = None
             return result
         self._pending += 1
 
@@ -116,6 +127,7 @@ class Engine:
 
     def close(self) -> None:
         """Let queued jobs finish, then stop the worker (idempotent); later submits raise RuntimeError."""
+        self._closed = True
         self._worker.shutdown(wait=True)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:

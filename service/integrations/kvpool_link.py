@@ -145,12 +145,12 @@ class KVPoolLink:
         for seq_id in list(self._orphans):  # creates that may have run while their answer was lost
             try:
                 self.client.free(seq_id)
+                self.stats["orphans_freed"] += 1
             except SequenceNotFound:
-                pass
+                pass  # the create never ran
             except (httpx.HTTPError, KVPoolError):
                 continue  # kept for the next recovery
             self._orphans.discard(seq_id)
-            self.stats["orphans_freed"] += 1
 
     def call(self, fn: Callable[[], T]) -> T | None:
         """fn() or, on a fault, None (logged and counted). A restart found here is handled by the next usable()."""
@@ -175,21 +175,30 @@ class KVPoolLink:
         (an expiry frees, and a free commits pages whose K/V a save may not have written yet).
         """
         seq_id = uuid.uuid4().hex
-        info = self.call(lambda: self.client.create_sequence(seq_id, token_ids, ttl_s=0, cache_salt=cache_salt))
-        if info is None:
-            self._orphans.add(seq_id)
-        return info
+        try:
+            return self.client.create_sequence(seq_id, token_ids, ttl_s=0, cache_salt=cache_salt)
+        except (httpx.TimeoutException, httpx.ReadError, httpx.RemoteProtocolError) as exc:
+            self._orphans.add(seq_id)  # the request went out: the server may have run it
+            self.record(exc)
+        except (httpx.HTTPError, KVPoolError) as exc:  # refused, or never reached a server: nothing to free
+            self.record(exc)
+        return None
 
     def free(self, seq_id: str) -> bool:
         return self.call(lambda: self.client.free(seq_id)) is not None
 
+    def holds(self, seq_id: str, pages: list[int]) -> bool:
+        """The server answering now has sequence `seq_id` on exactly `pages`."""
+        info = self.call(lambda: self.client.get_sequence(seq_id))
+        return info is not None and info.block_table == pages
+
     def same_instance(self) -> bool:
         """The server answering now is the one whose pool is mapped (False also when unreachable)."""
-        ready = self.call(self.client.readyz)
-        if ready is None:
+        pool = self.call(self.client.pool)  # (not /readyz: it answers 503 while a server drains)
+        if pool is None:
             return False
-        if ready.get("instance_id") != self.instance_id:
-            self.fault("restarted", f"instance {self.instance_id} -> {ready.get('instance_id')}")
+        if pool.get("instance_id") != self.instance_id:
+            self.fault("restarted", f"instance {self.instance_id} -> {pool.get('instance_id')}")
             return False
         return True
 

@@ -252,18 +252,25 @@ class KVPoolConnector(KVConnectorBase_V1):
                 link.record(exc)
                 link.stats["sequences_left"] += 1
                 return
-            if not self._write(job, start, appended.block_table):
+            if not self._write(job, start, seq.seq_id, appended.block_table):
                 link.stats["sequences_left"] += 1  # the same: written into a pool that is not the server's
                 return
             link.stats["saved_tokens"] += job.end - start
         link.free(seq.seq_id)
 
-    def _write(self, job: SaveJob, start: int, pages: list[int]) -> bool:
-        """Copy tokens [start, job.end) into the sequence's `pages`; True once the server is the mapped one."""
+    def _write(self, job: SaveJob, start: int, seq_id: str, pages: list[int]) -> bool:
+        """Copy tokens [start, job.end) into the sequence's `pages`; True once the server is the mapped one.
+
+        A restart found after the write: the write went into a pool that is no longer the server's. It is
+        written again into the new pool only if the server answering now holds this sequence on these very
+        pages (the append ran on it, after the restart); otherwise those page ids are someone else's there.
+        """
         link = self._link
-        for _ in range(2):  # a restart between append and this check: map the new pool, write again
+        for attempt in range(2):
             pool = link.pool
             if pool is None:
+                return False
+            if attempt and not link.holds(seq_id, pages):
                 return False
             began = time.perf_counter_ns()
             for layer, (k, v) in self._layers.items():

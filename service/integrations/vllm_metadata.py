@@ -8,8 +8,10 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from service.integrations.kvpool_link import Geometry
+from service.wire.dtypes import dtype_name
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# KV-cache dtypes the connector copies (an FP8 cache is refused: kvpool keeps FP8 with scales of its own).
+SUPPORTED = ("float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -63,9 +65,7 @@ def model_geometry(vllm_config: VllmConfig) -> Geometry:
     if model.use_mla:
         raise ValueError("kvpool's vLLM connector does not support MLA models yet")
     cache_dtype = vllm_config.cache_config.cache_dtype
-    dtype = model.dtype if cache_dtype == "auto" else None
-    if dtype not in _DTYPE_NAMES:
+    name = dtype_name(model.dtype) if cache_dtype == "auto" and isinstance(model.dtype, torch.dtype) else None
+    if name not in SUPPORTED:
         raise ValueError(f"kvpool's vLLM connector needs a float32/float16/bfloat16 KV cache, not {cache_dtype}")
-    return Geometry(
-        model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(), _DTYPE_NAMES[dtype]
-    )
+    return Geometry(model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(), name)

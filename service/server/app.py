@@ -84,7 +84,7 @@ def log_start(state: PoolState) -> None:
         s.dtype,
         state.storage.device,
         state.engine.backend,
-        service.core.COMPILED,
+        service.core.is_compiled(),
     )
-    if not service.core.COMPILED:
-        log.warning("the core runs from its Python source, 10-200x slower: %s", service.core.COMPILED_MODULES)
+    if not service.core.is_compiled():
+        log.warning("the core runs from its Python source, 10-200x slower: %s", service.core.compiled_modules())

@@ -14,10 +14,11 @@ from starlette.responses import Response
 
 from service.core.errors import KVPoolError
 from service.server.route_match import match_path
-from service.wire.errors import status_of
+from service.wire.errors import ERROR_CODES, status_of
 
-# The codes of the statuses Starlette and FastAPI raise HTTPException with; any other is "http_error".
-HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+# The codes of the statuses Starlette and FastAPI raise HTTPException with (from the wire's table);
+# any other status is "http_error".
+HTTP_CODES = {ERROR_CODES[code].status: code for code in ("not_found", "method_not_allowed", "payload_too_large")}
 
 
 def error_response(

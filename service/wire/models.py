@@ -34,6 +34,14 @@ class Tensor(Strict):
     data: str = Field(description="base64 of the C-contiguous little-endian bytes")
 
 
+class TensorOut(Answer):
+    """A tensor in an answer: Tensor's fields, and any a newer server adds ignored."""
+
+    dtype: TensorDtype
+    shape: list[int]
+    data: str = Field(description="base64 of the C-contiguous little-endian bytes")
+
+
 def _check_token_ids(num_tokens: int, token_ids: list[int] | None) -> None:
     if token_ids is not None and len(token_ids) != num_tokens:
         raise ValueError(f"token_ids has {len(token_ids)} ids, num_tokens is {num_tokens}")
@@ -111,19 +119,19 @@ class StepRequest(Strict):
 
 
 class StepOut(Answer):
-    lookup_table: Tensor
-    cache_lengths: Tensor
+    lookup_table: TensorOut
+    cache_lengths: TensorOut
     input_lengths: list[int]
     max_prompt_length: int
     max_cache_length: int
     sentinel: int
     slots: list[list[int]]
     format: str = "max"
-    kv_indptr: Tensor | None = Field(None, description="flashinfer: int32 [batch + 1]")
-    kv_indices: Tensor | None = Field(None, description="flashinfer: int32 [nnz pages]")
-    kv_last_page_len: Tensor | None = Field(None, description="flashinfer: int32 [batch], 0 for an empty sequence")
-    block_table: Tensor | None = Field(None, description="flash_attn: int32 [batch, max pages]")
-    cache_seqlens: Tensor | None = Field(None, description="flash_attn: int32 [batch], lengths after the step")
+    kv_indptr: TensorOut | None = Field(None, description="flashinfer: int32 [batch + 1]")
+    kv_indices: TensorOut | None = Field(None, description="flashinfer: int32 [nnz pages]")
+    kv_last_page_len: TensorOut | None = Field(None, description="flashinfer: int32 [batch], 0 for an empty sequence")
+    block_table: TensorOut | None = Field(None, description="flash_attn: int32 [batch, max pages]")
+    cache_seqlens: TensorOut | None = Field(None, description="flash_attn: int32 [batch], lengths after the step")
 
 
 class AttendRequest(Strict):
@@ -147,7 +155,7 @@ class AttendRequest(Strict):
 
 
 class AttendOut(Answer):
-    out: Tensor
+    out: TensorOut
 
 
 class PoolOut(Answer):

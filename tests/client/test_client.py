@@ -139,7 +139,10 @@ def test_every_error_code_has_its_class(code: str, cls: type[errors.KVPoolError]
 def test_arguments_are_checked_before_sending(client: KVPoolClient) -> None:
     with pytest.raises(ValueError, match="num_tokens or token_ids"):
         client.append("x")
-    with pytest.raises(ValueError, match="k and v come together"):
+    with pytest.raises(ValueError, match="v needs k"):
+        client.append("x", 1, v=torch.randn(2, 1, 2, 16))
+    # k alone is an MLA pool's latent: the client sends it, and this (plain) pool's server refuses it.
+    with pytest.raises(errors.InvalidRequest, match="k and v come together"):
         client.append("x", 1, k=torch.randn(2, 1, 2, 16))
     assert KVPoolClient(api_key="secret").http.headers["Authorization"] == "Bearer secret"
 

@@ -33,7 +33,7 @@ def test_sequence_answers_with_unknown_fields_parse() -> None:
 def test_a_step_answer_with_unknown_fields_parses() -> None:
     lut = torch.tensor([[3, 1, 16, 16]], dtype=torch.uint32)
     answer = {
-        "lookup_table": encode_array(lut.numpy(), "uint32"),
+        "lookup_table": {**encode_array(lut.numpy(), "uint32"), **NEWER},  # inside a tensor too
         "cache_lengths": encode_array(torch.tensor([5], dtype=torch.uint32).numpy(), "uint32"),
         "input_lengths": [1],
         "max_prompt_length": 1,
@@ -52,6 +52,13 @@ def test_a_step_answer_with_unknown_fields_parses() -> None:
         16,
         [[6]],
     )
+
+
+def test_an_attend_answer_with_unknown_fields_in_its_tensor_parses() -> None:
+    out = torch.randn(2, 4, 16)
+    answer = {"out": {**encode_array(out.numpy(), "float32"), "device": "cpu", **NEWER}, **NEWER}
+    parsed = Calls.attend(0, ["s1"], torch.randn(2, 4, 16), [2], None, None, None, None, None).parse(body(answer))
+    assert torch.equal(parsed, out)
 
 
 def response(status: int, content: bytes) -> httpx.Response:

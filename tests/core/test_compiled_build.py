@@ -25,8 +25,8 @@ source_page_ops, source_batching = load_source("page_ops"), load_source("batchin
 
 def test_the_core_runs_compiled() -> None:
     # Without the build every loop runs as plain Python: correct, but 10 to 200 times slower.
-    assert service.core.COMPILED_MODULES == {m.__name__: True for m in (page_ops, batching, prefix_index)}
-    assert service.core.COMPILED, "the core is not compiled: run `python setup.py build_ext --inplace`"
+    assert service.core.compiled_modules() == {m.__name__: True for m in (page_ops, batching, prefix_index)}
+    assert service.core.is_compiled(), "the core is not compiled: run `python setup.py build_ext --inplace`"
 
 
 def test_the_source_runs_uncompiled() -> None:

@@ -1,6 +1,7 @@
 """The engine's backend choice (auto: cpu for a plain CPU pool, torch for FP8 and MLA; explicit settings as
 given) and its device work through the backend: attention as dense attention answers, whole-page copies."""
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -126,7 +127,12 @@ def test_copy_pages_copies_everything_a_page_holds(special: dict[str, Any]) -> N
         ({"mla": True, "num_kv_heads": 1, "head_dim": 32, "kv_lora_rank": 16}, "triton", MlaPages, "triton"),
     ],
 )
-def test_an_explicit_setting_picks_its_backend(special: dict[str, Any], setting: str, kind: type, name: str) -> None:
+def test_an_explicit_setting_picks_its_backend(
+    special: dict[str, Any], setting: str, kind: type, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A CPU pool on triton sets TRITON_INTERPRET for the process: restored after this test, so that the
+    # tests after it (on a GPU machine) still run the compiled kernels.
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", ""))
     storage = Storage(Settings(**{**SETTINGS, **special}))  # type: ignore[arg-type]
     try:
         engine = Engine(storage, setting)

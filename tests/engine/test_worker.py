@@ -119,6 +119,14 @@ def test_close_lets_queued_jobs_finish_then_refuses_more(engine: Engine) -> None
     assert done == [0, 1, 2]
     with pytest.raises(RuntimeError):
         engine.call(lambda: None)
+
+    async def after_close() -> None:
+        for inline in (False, True):  # a small job too: nothing touches the pool after close
+            with pytest.raises(RuntimeError):
+                await engine.submit(lambda: done.append(99), inline=inline)
+
+    asyncio.run(after_close())
+    assert done == [0, 1, 2]
     engine.close()  # idempotent
 
 

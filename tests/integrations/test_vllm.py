@@ -274,6 +274,7 @@ def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[i
             back = [engine.generate(PROMPTS["exact"])[0] for _ in range(2)]
             assert [o["token_ids"] for o in back] == [reference["exact"]] * 2
             assert [o["num_cached_tokens"] for o in back] == [0, 96]  # saved into the new pool, then loaded
+            orphans_before = engine.stats.get("orphans_freed", 0)  # (a refused or unsent create is no orphan)
             servers[-1].proc.send_signal(signal.SIGSTOP)  # kvpool hangs: calls time out (2 s here)
             try:
                 frozen = engine.generate(PROMPTS["exact"], timeout=60)[0]
@@ -284,7 +285,7 @@ def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[i
             # Back: the creates that timed out (and ran later) are freed, and the prefix loads again.
             again = engine.generate(PROMPTS["exact"])[0]
             assert (again["token_ids"], again["num_cached_tokens"]) == (reference["exact"], 96)
-            assert engine.stats["orphans_freed"] >= 1
+            assert engine.stats["orphans_freed"] > orphans_before
         finally:
             engine.close()
         pool = servers[-1].pool()

@@ -35,7 +35,7 @@ async def pool_info(pool: StateDep) -> Response:
             "sentinel": pool.sequences.sentinel,
             "instance_id": pool.instance_id,
             "attention_backend": pool.engine.backend,
-            "core_compiled": service.core.COMPILED,
+            "core_compiled": service.core.is_compiled(),
             **format_fields(s),
         }
     )
