@@ -19,6 +19,7 @@ collision, since the full token ids are part of the key. SHA-256 runs once per p
 import numpy as np
 
 from service.core import page_ops, prefix_index
+from service.core.cache_listener import CacheListener
 from service.core.errors import OutOfPages
 
 
@@ -41,6 +42,9 @@ class PageAllocator:
         self._table, self._key_hash, self._hashes, self._is_hashed = prefix_index.new_index(num_pages)
         self._keys: np.ndarray | None = None
         self.num_evictions = 0
+        # Watchers of the prefix cache (KV events, lower tiers): told of every page that enters or
+        # leaves the index. Empty by default, and then it costs one truth test per commit/eviction.
+        self.listeners: list[CacheListener] = []
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -92,10 +96,20 @@ class PageAllocator:
         self._num_free -= num
 
     def _evict(self, num: int) -> None:
-        evicted = prefix_index.evict(self._lru, self._table, self._key_hash, self._is_hashed, num)
+        evicted = np.asarray(
+            prefix_index.evict(self._lru, self._table, self._key_hash, self._is_hashed, num), dtype=np.int64
+        )
         self._num_cached -= num
-        self._push_free(np.asarray(evicted[::-1], dtype=np.int64))
+        if self.listeners:
+            self._tell_removed(evicted)
+        self._push_free(evicted[::-1])
         self.num_evictions += num
+
+    def _tell_removed(self, pages: np.ndarray) -> None:
+        # An evicted page's hash and key stay in their arrays until the page is committed again.
+        hashes, keys = self._hashes[pages], self._keys[pages]  # type: ignore[index]
+        for listener in self.listeners:
+            listener.removed(pages, hashes, keys)
 
     def _push_free(self, pages: np.ndarray) -> None:
         """Push so that the first of `pages` is the next one popped."""
@@ -153,7 +167,31 @@ class PageAllocator:
             raise ValueError(f"pages of {page_nbytes} token bytes; this allocator has {self._keys.shape[1] - 32}")
         ids = np.ascontiguousarray(pages, dtype=np.int64)
         index = (self._table, self._keys, self._key_hash, self._hashes, self._is_hashed)
-        return prefix_index.commit(*index, ids, parent, data, page_nbytes)
+        if not self.listeners:
+            return prefix_index.commit(*index, ids, parent, data, page_nbytes)
+        before = self._is_hashed[ids]
+        last = prefix_index.commit(*index, ids, parent, data, page_nbytes)
+        self._tell_stored(ids, before, parent, bytes(data), page_nbytes)
+        return last
+
+    def _tell_stored(self, ids: np.ndarray, before: np.ndarray, parent: bytes, data: bytes, page_nbytes: int) -> None:
+        """Tell listeners of the pages this commit registered, one call per run of consecutive ones
+        (a page already registered, or whose key another page holds, ends a run)."""
+        new = self._is_hashed[ids] & ~before
+        i, n = 0, len(ids)
+        while i < n:
+            if not new[i]:
+                i += 1
+                continue
+            j = i
+            while j < n and new[j]:
+                j += 1
+            run_parent = parent if i == 0 else self._keys[ids[i], :32].tobytes()  # type: ignore[index]
+            tokens = data[i * page_nbytes : j * page_nbytes]
+            hashes = self._hashes[ids[i:j]]
+            for listener in self.listeners:
+                listener.stored(ids[i:j], hashes, run_parent, tokens)
+            i = j
 
     def cached_pages(self) -> list[int]:
         """Cached pages, next to be evicted first."""
