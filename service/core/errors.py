@@ -39,6 +39,22 @@ class InvalidRequest(KVPoolError):
     code = "invalid_request"
 
 
+class AttendTooLarge(InvalidRequest):
+    """An attend asking for more attention work than the server's cap (KVPOOL_MAX_ATTEND_TOKENS):
+    `tokens` = the sum over its sequences of queries x context tokens. Refused before any work."""
+
+    code = "attend_too_large"
+    detail_fields = ("tokens", "limit")
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"the attend spans {tokens} (query, context token) pairs, more than the server's cap of {limit} "
+            "(KVPOOL_MAX_ATTEND_TOKENS): send fewer queries or sequences per call"
+        )
+        self.tokens = tokens
+        self.limit = limit
+
+
 class SequenceNotFound(KVPoolError):
     code = "sequence_not_found"
     detail_fields = ("seq_id",)

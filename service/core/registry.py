@@ -1,10 +1,11 @@
 """The live sequences: their records by (tenant, seq_id) and by block-table row, and their leases.
 
-Every lookup by id renews the sequence's lease, if it has one: any call naming a sequence keeps it
-alive. Renewal is one clock read and one float store per leased sequence named (none at all while
-no sequence has a lease); finding the expired ones is a scan instead, one comparison per live
-sequence, run by the sweeper about once a second. A heap would make every renewal a push on the
-hot path to speed up the once-a-second path.
+Every lookup by id renews the sequence's lease, if it has one, and renew() renews the ones a refused
+call named: any call naming a sequence keeps it alive, whether or not it succeeds. Renewal is one
+clock read and one float store per leased sequence named (none at all while no sequence has a
+lease); finding the expired ones is a scan instead, one comparison per live sequence, run by the
+sweeper about once a second. A heap would make every renewal a push on the hot path to speed up the
+once-a-second path.
 """
 
 import uuid
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service.core.errors import SequenceExists, SequenceNotFound
+from service.core.errors import InvalidRequest, SequenceExists, SequenceNotFound
 from service.core.records import Sequence
 
 
@@ -50,6 +51,16 @@ class Registry:
                 seq.expires_at = now + seq.ttl_s
         return np.array([seq.row for seq in found], dtype=np.int64)
 
+    def renew(self, seq_ids: list[str], tenant: str) -> None:
+        """Renew the leases of those of `seq_ids` the tenant has (unknown ids are skipped)."""
+        if not self.num_leased:
+            return
+        seqs, now = self.by_tenant.get(tenant, {}), self.clock()
+        for seq_id in seq_ids:
+            seq = seqs.get(seq_id)
+            if seq is not None and seq.ttl_s:
+                seq.expires_at = now + seq.ttl_s
+
     def all(self) -> list[Sequence]:
         return [s for seqs in self.by_tenant.values() for s in seqs.values()]
 
@@ -80,3 +91,15 @@ class Registry:
         if not self.num_leased:
             return []
         return [s for s in self.all() if s.ttl_s and s.expires_at <= now]
+
+
+def check_distinct(seq_ids: list[str]) -> None:
+    """InvalidRequest unless `seq_ids` are distinct: attend's and step's seq_ids name each sequence once
+    (a repeated row of a table would be given the same slots twice)."""
+    if len(set(seq_ids)) == len(seq_ids):
+        return
+    seen: set[str] = set()
+    for seq_id in seq_ids:
+        if seq_id in seen:
+            raise InvalidRequest(f"seq_ids must be distinct: {seq_id!r} is named more than once")
+        seen.add(seq_id)

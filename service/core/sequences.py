@@ -23,7 +23,7 @@ import numpy as np
 from service.core import batching
 from service.core.allocator import PageAllocator
 from service.core.block_tables import BlockTables
-from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded
+from service.core.errors import AttendTooLarge, InvalidRequest, OutOfPages, QuotaExceeded
 from service.core.plan import (
     NO_PAGES,
     NewRow,
@@ -36,7 +36,7 @@ from service.core.plan import (
 )
 from service.core.prefixes import Prefixes
 from service.core.records import Append, Extension, Sequence, Stats, StepResult
-from service.core.registry import Registry
+from service.core.registry import Registry, check_distinct
 
 __all__ = ["Sequence", "SequenceTable", "Stats", "StepResult"]
 
@@ -174,8 +174,20 @@ class SequenceTable:
         return seq, self.apply(self.check(plan), data_written)
 
     def step(self, appends: list[Append], seq_ids: list[str] | None = None, tenant: str = "") -> StepResult:
-        """All appends or none, then the lookup table of `seq_ids` (default: the appended ones)."""
-        # Leases renew on every call naming a sequence: rows() does that; without any, one C pass.
+        """All appends or none, then the lookup table of `seq_ids` (default: the appended ones).
+
+        Leases renew on every call naming a sequence, refused or not: rows() renews them on the way;
+        a refusal renews every sequence the step names that exists."""
+        try:
+            return self._step(appends, seq_ids, tenant)
+        except Exception:
+            if self.registry.num_leased:
+                self.renew([a[0] for a in appends], tenant)
+                self.renew(seq_ids or [], tenant)
+            raise
+
+    def _step(self, appends: list[Append], seq_ids: list[str] | None, tenant: str) -> StepResult:
+        # Without leases, the appends' columns come from one C pass.
         reg = self.registry
         columns = None if reg.num_leased else batching.unzip_appends(reg.by_tenant.get(tenant, {}), appends)
         if columns is None:
@@ -186,6 +198,8 @@ class SequenceTable:
             rows = np.frombuffer(raw_rows, dtype=np.int64)
         if not distinct:
             raise InvalidRequest("a sequence may appear only once in the appends of a step")
+        if seq_ids is not None:
+            check_distinct(seq_ids)
         listed = rows if seq_ids is None else reg.rows(seq_ids, tenant)
         before = self.blocks.lengths[listed].astype(np.uint32)
         token_data = checked_token_data(counts, token_lists)
@@ -265,21 +279,30 @@ class SequenceTable:
 
     # -- attention and leases -----------------------------------------------------------------
     def attention_batch(
-        self, seq_ids: list[str], q_lens: list[int], tenant: str = ""
+        self, seq_ids: list[str], q_lens: list[int], tenant: str = "", max_tokens: int = 0
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For queries at the last q_lens positions of each sequence: (lookup table, cache lengths,
-        slots of the query positions)."""
+        slots of the query positions).
+
+        max_tokens > 0 caps the attention work: the sum over the sequences of q_len x length (the
+        (query, context token) pairs, the causal mask not subtracted), refused with AttendTooLarge
+        before the lookup table is built."""
         rows = self.registry.rows(seq_ids, tenant)
-        if len(set(seq_ids)) != len(seq_ids):
-            raise InvalidRequest("seq_ids must be distinct")
+        check_distinct(seq_ids)
         lens = self.blocks.lengths[rows]
         counts = np.asarray(q_lens, dtype=np.int64)
         too_long = np.nonzero(counts > lens)[0]
         if len(too_long):
             i = int(too_long[0])
             raise InvalidRequest(f"q_len {int(counts[i])} exceeds the length {int(lens[i])} of sequence {seq_ids[i]!r}")
+        if max_tokens and (tokens := int((counts * lens).sum())) > max_tokens:
+            raise AttendTooLarge(tokens, max_tokens)
         cache_lengths = lens - counts
         return self.blocks.lookup_table(rows), cache_lengths, self.blocks.slots_of(rows, cache_lengths, counts)
+
+    def renew(self, seq_ids: list[str], tenant: str = "") -> None:
+        """Renew the leases of those of `seq_ids` that exist: a call naming them was refused."""
+        self.registry.renew(seq_ids, tenant)
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Free, through free(), every leased sequence whose lease ran out by `now` (on self.clock);

@@ -7,6 +7,7 @@ a Content-Type other than JSON (none counts as not JSON, as in FastAPI's strict 
 not JSON, JSON that the model refuses. Errors carry FastAPI's location prefix ("body", ...).
 """
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -18,9 +19,12 @@ from starlette.requests import ClientDisconnect
 M = TypeVar("M", bound=BaseModel)
 
 
-async def read_json(request: Request, model: type[M]) -> M:
+Refused = Callable[[bytes], None]  # told the raw bytes of a body that is refused after it is read
+
+
+async def read_json(request: Request, model: type[M], refused: Refused | None = None) -> M:
     """The body validated as `model`; a missing body is a 422."""
-    body = await parse(request, model, optional=False)
+    body = await parse(request, model, optional=False, refused=refused)
     assert body is not None
     return body
 
@@ -30,7 +34,7 @@ async def read_optional_json(request: Request, model: type[M]) -> M | None:
     return await parse(request, model, optional=True)
 
 
-async def parse(request: Request, model: type[M], optional: bool) -> M | None:
+async def parse(request: Request, model: type[M], optional: bool, refused: Refused | None = None) -> M | None:
     try:
         raw = await request.body()
     except ClientDisconnect:
@@ -41,6 +45,8 @@ async def parse(request: Request, model: type[M], optional: bool) -> M | None:
             return None
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     if not is_json(request.headers.get("content-type")):
+        if refused is not None:
+            refused(raw)
         error = {"type": "content_type", "loc": ("body",), "input": None}
         raise RequestValidationError([{**error, "msg": "the body must be sent as Content-Type: application/json"}])
     if optional and raw.strip() == b"null":
@@ -48,6 +54,8 @@ async def parse(request: Request, model: type[M], optional: bool) -> M | None:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
+        if refused is not None:
+            refused(raw)
         raise RequestValidationError([body_error(e) for e in exc.errors(include_url=False)]) from None
 
 

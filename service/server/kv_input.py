@@ -1,4 +1,4 @@
-"""K/V given with append or attend, checked against the pool's kind (plain, FP8, MLA)."""
+"""K/V given with append or attend, checked against the pool's kind (plain, FP8, MLA); q, checked alike."""
 
 import numpy as np
 import torch
@@ -31,13 +31,19 @@ def decode_kv_input(
             continue
         if t.shape != shape:
             raise InvalidRequest(f"{name} must have shape {shape}, not {t.shape}")
-        if not t.dtype.startswith(("float", "bfloat")):
-            raise InvalidRequest(f"{name} must be a floating-point tensor, not {t.dtype}")
-        x = decode(name, t.dtype, t.shape, t.data)
-        if not all_finite(x):
-            raise InvalidRequest(f"{name} has NaN or infinite values")
-        out.append(x)
+        out.append(decode_finite(name, t))
     return out[0], (out[1] if len(out) > 1 else None)
+
+
+def decode_finite(name: str, t: Tensor) -> torch.Tensor:
+    """A floating-point tensor of a request (k, v, q), decoded; 422 for another dtype or a NaN or
+    infinite value, which would turn every output that reads it into NaN."""
+    if not t.dtype.startswith(("float", "bfloat")):
+        raise InvalidRequest(f"{name} must be a floating-point tensor, not {t.dtype}")
+    x = decode(name, t.dtype, t.shape, t.data)
+    if not all_finite(x):
+        raise InvalidRequest(f"{name} has NaN or infinite values")
+    return x
 
 
 def all_finite(x: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ class PoolState:
         self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching)
         self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)
+        self.max_attend_tokens = settings.max_attend_tokens or default_max_attend_tokens(self.storage.device.type)
         self.ready = True
 
     def sequence_body(self, seq: Sequence) -> dict[str, Any]:
@@ -40,6 +41,17 @@ class PoolState:
         self.ready = False
         self.engine.close()
         self.storage.close()
+
+
+def default_max_attend_tokens(device_type: str) -> int:
+    """KVPOOL_MAX_ATTEND_TOKENS when it is 0: a cap each device finishes in seconds.
+
+    CPU, 2**24: a 4,096-token prefill in one attend (4,096 x 4,096 pairs) took 1.1-2.5 s on 2 cores
+    with 16 query heads of 64 channels (BENCHMARKS.md); a larger model's heads take a few times that.
+    CUDA, 2**36: one attend prefilling a 262,144-token prompt; an engine's chunked prefill (chunks of
+    a few thousand tokens over a context of up to a million) and decode batches stay far below it.
+    """
+    return 2**36 if device_type == "cuda" else 2**24
 
 
 # Dependencies are `async def` on purpose: FastAPI runs plain `def` dependencies in a threadpool,

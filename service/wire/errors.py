@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.core.errors import (
+    AttendTooLarge,
     Forbidden,
     InvalidRequest,
     KVPoolError,
@@ -37,6 +38,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
     row.code: row
     for row in (
         _typed(InvalidRequest, 422),
+        _typed(AttendTooLarge, 422),
         _typed(SequenceNotFound, 404),
         _typed(SequenceExists, 409),
         _typed(OutOfPages, 507),

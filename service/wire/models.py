@@ -12,9 +12,21 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from service.wire.dtypes import PoolDtype, ScaleDtype, StoredDtype, TensorDtype
 from service.wire.errors import ERROR_CODES
 
-SEQ_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+# 1 to 128 of [A-Za-z0-9._:-], but not "." or "..": a URL resolves those dot segments away (RFC 3986,
+# 5.2.4), so /v1/sequences/.. could never name the sequence. Every other such id is a path segment
+# as it is (unreserved characters and ":"). Written without a lookahead, which pydantic's regex
+# engine (Rust's) lacks: a first character that is not a dot, or ".x...", or "..x...".
+SEQ_ID_PATTERN = (
+    r"^(?:[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,127}|\.[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,126}|\.\.[A-Za-z0-9._:-]{1,126})$"
+)
 SeqId = Annotated[str, StringConstraints(pattern=SEQ_ID_PATTERN)]
 TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+# Attention parameters become float32 on the device: a value outside float32's normal range would be
+# infinite or zero there, and every output NaN (np.finfo(np.float32).max and .tiny).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+# Positions in the kernels are 32-bit; a window wider than the context is no window.
+MAX_SLIDING_WINDOW = 2**31 - 1
 
 
 class Strict(BaseModel):
@@ -141,9 +153,18 @@ class AttendRequest(Strict):
     q_lens: list[Annotated[int, Field(ge=1)]] | None = Field(None, description="default: 1 per sequence")
     k: Tensor | None = Field(None, description="[T, num_kv_heads, head_dim], written before attending")
     v: Tensor | None = None
-    scale: float | None = Field(None, gt=0, description="default 1/sqrt(head_dim)")
-    sliding_window: int | None = Field(None, ge=1, description="attend to the last W positions only")
-    softcap: float | None = Field(None, gt=0, description="logits become softcap * tanh(logits / softcap)")
+    scale: float | None = Field(
+        None, ge=FLOAT32_TINY, le=FLOAT32_MAX, description="default 1/sqrt(head_dim); a normal float32"
+    )
+    sliding_window: int | None = Field(
+        None, ge=1, le=MAX_SLIDING_WINDOW, description="attend to the last W positions only"
+    )
+    softcap: float | None = Field(
+        None,
+        ge=FLOAT32_TINY,
+        le=FLOAT32_MAX,
+        description="logits become softcap * tanh(logits / softcap); a normal float32",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "AttendRequest":
@@ -173,6 +194,9 @@ class PoolOut(Answer):
     sentinel: int
     instance_id: str
     attention_backend: str = Field(description="the backend attention runs on: triton, cpu or torch (from auto)")
+    max_attend_tokens: int | None = Field(
+        None, description="the cap on one attend's queries x context tokens (KVPOOL_MAX_ATTEND_TOKENS, or the device's)"
+    )
     core_compiled: bool = Field(
         False, description="the core's loops run compiled (Cython); false: from their Python source, far slower"
     )

@@ -10,12 +10,13 @@ from starlette.responses import Response
 
 from service.core.errors import InvalidRequest
 from service.server.bodies import read_json
-from service.server.kv_input import decode_kv_input, kv_nbytes
-from service.server.metrics import MetricsDep
+from service.server.kv_input import decode_finite, decode_kv_input, kv_nbytes
+from service.server.leases import renew_named_in, renewed_if_refused
+from service.server.metrics import Metrics, MetricsDep
 from service.server.routes.table import RouteTable
-from service.server.state import StateDep, TenantDep, json_response
+from service.server.state import PoolState, StateDep, TenantDep, json_response
 from service.wire.models import AttendOut, AttendRequest, error_responses
-from service.wire.tensors import decode, encode
+from service.wire.tensors import encode
 
 routes = RouteTable(tags=["attention"])
 
@@ -23,7 +24,12 @@ routes = RouteTable(tags=["attention"])
 @routes.post("/v1/attend", body=AttendRequest, response_model=AttendOut, responses=error_responses(401, 404, 413, 422))
 async def attend(request: Request, pool: StateDep, tenant: TenantDep, metrics: MetricsDep) -> Response:
     """Causal paged attention (GQA) of q against each sequence, optionally writing k/v first."""
-    body = await read_json(request, AttendRequest)
+    body = await read_json(request, AttendRequest, refused=lambda raw: renew_named_in(pool, tenant, raw))
+    with renewed_if_refused(pool, tenant, body.seq_ids):
+        return await attend_checked(body, pool, tenant, metrics)
+
+
+async def attend_checked(body: AttendRequest, pool: PoolState, tenant: str, metrics: Metrics) -> Response:
     s = pool.settings
     if body.layer >= s.num_layers:
         raise InvalidRequest(f"layer {body.layer} is out of range: the pool has {s.num_layers} layers")
@@ -33,14 +39,13 @@ async def attend(request: Request, pool: StateDep, tenant: TenantDep, metrics: M
             f"q must have shape [T, num_q_heads, {s.head_dim}] with num_q_heads a multiple of "
             f"num_kv_heads={s.num_kv_heads}, not {shape}"
         )
-    if not body.q.dtype.startswith(("float", "bfloat")):
-        raise InvalidRequest(f"q must be a floating-point tensor, not {body.q.dtype}")
     q_lens = body.q_lens or [1] * len(body.seq_ids)
     if sum(q_lens) != shape[0]:
         raise InvalidRequest(f"q has {shape[0]} tokens but q_lens add up to {sum(q_lens)}")
-    q = decode("q", body.q.dtype, shape, body.q.data)
+    # The work is sized (and refused if too large) before any tensor is decoded.
+    lut, cache_lengths, slots = pool.sequences.attention_batch(body.seq_ids, q_lens, tenant, pool.max_attend_tokens)
+    q = decode_finite("q", body.q)
     kv = decode_kv_input(pool, body.k, body.v, [shape[0]])
-    lut, cache_lengths, slots = pool.sequences.attention_batch(body.seq_ids, q_lens, tenant)
     query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0)
     kernel = "decode" if max(q_lens, default=1) == 1 else "prefill"
 

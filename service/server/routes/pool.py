@@ -36,6 +36,7 @@ async def pool_info(pool: StateDep) -> Response:
             "instance_id": pool.instance_id,
             "attention_backend": pool.engine.backend,
             "core_compiled": service.core.is_compiled(),
+            "max_attend_tokens": pool.max_attend_tokens,
             **format_fields(s),
         }
     )

@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from service.server.bodies import read_json, read_optional_json
 from service.server.kv_input import decode_kv_input, kv_nbytes
+from service.server.leases import renewed_if_refused
 from service.server.routes.table import RouteTable
 from service.server.state import StateDep, TenantDep, json_response
 from service.wire.models import (
@@ -44,10 +45,11 @@ async def get_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep) -> 
 @routes.post("/v1/sequences/{seq_id}/append", body=AppendRequest, response_model=AppendOut, responses=ERRORS)
 async def append_tokens(seq_id: SeqIdPath, request: Request, pool: StateDep, tenant: TenantDep) -> Response:
     """Append tokens: new slots for each, and with k/v their data written into every layer."""
-    body = await read_json(request, AppendRequest)
-    s = pool.settings
-    kv = decode_kv_input(pool, body.k, body.v, [s.num_layers, body.num_tokens])
-    seq, ext = pool.sequences.append(seq_id, body.num_tokens, body.token_ids, kv is not None, tenant)
+    with renewed_if_refused(pool, tenant, (seq_id,)):
+        body = await read_json(request, AppendRequest)
+        s = pool.settings
+        kv = decode_kv_input(pool, body.k, body.v, [s.num_layers, body.num_tokens])
+        seq, ext = pool.sequences.append(seq_id, body.num_tokens, body.token_ids, kv is not None, tenant)
 
     def write_appended() -> None:  # on the device worker: copy-on-write of a shared last page, then the K/V
         pool.engine.copy_pages(ext.copies)
@@ -72,8 +74,9 @@ async def append_tokens(seq_id: SeqIdPath, request: Request, pool: StateDep, ten
 )
 async def fork_sequence(seq_id: SeqIdPath, request: Request, pool: StateDep, tenant: TenantDep) -> Response:
     """A new sequence sharing the parent's pages; a shared partial last page is copied on write."""
-    body = await read_optional_json(request, ForkSequence)
-    child = pool.sequences.fork(seq_id, body.seq_id if body else None, tenant)
+    with renewed_if_refused(pool, tenant, (seq_id,)):
+        body = await read_optional_json(request, ForkSequence)
+        child = pool.sequences.fork(seq_id, body.seq_id if body else None, tenant)
     return json_response(pool.sequence_body(child), 201)
 
 

@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from service.core.lut_formats import flash_attn_tables, flashinfer_tables
 from service.server.bodies import read_json
+from service.server.leases import renew_named_in
 from service.server.routes.table import RouteTable
 from service.server.state import PoolState, StateDep, TenantDep, json_response
 from service.wire.models import StepOut, StepRequest, error_responses
@@ -21,7 +22,7 @@ routes = RouteTable(tags=["step"])
 )
 async def step(request: Request, pool: StateDep, tenant: TenantDep) -> Response:
     """All appends or none, then the sentinel-filled lookup table of the listed sequences."""
-    body = await read_json(request, StepRequest)
+    body = await read_json(request, StepRequest, refused=lambda raw: renew_named_in(pool, tenant, raw))
     appends = [(a.seq_id, a.num_tokens, a.token_ids) for a in body.appends]
     result = pool.sequences.step(appends, body.seq_ids, tenant)
     cache_lengths = result.cache_lengths
