@@ -85,8 +85,8 @@ class Settings(BaseSettings):
         0,
         ge=0,
         description="attention work one attend may ask for: the sum over its sequences of queries x context "
-        "tokens; more is refused with 422 attend_too_large before any work. 0: by device, 2**24 on the CPU "
-        "(a 4,096-token prompt prefilled in one call), 2**36 on CUDA (a 262,144-token one)",
+        "tokens; more is refused with 422 attend_too_large before any work. 0: by device, 2**22 on the CPU "
+        "(a 2,048-token prompt prefilled in one call), 2**36 on CUDA (a 262,144-token one)",
     )
     shutdown_grace_s: float = Field(
         0.0, ge=0, le=3600, allow_inf_nan=False, description="on SIGTERM, seconds /readyz answers 503 before draining"

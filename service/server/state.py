@@ -44,14 +44,17 @@ class PoolState:
 
 
 def default_max_attend_tokens(device_type: str) -> int:
-    """KVPOOL_MAX_ATTEND_TOKENS when it is 0: a cap each device finishes in seconds.
+    """KVPOOL_MAX_ATTEND_TOKENS when it is 0: what each device finishes in seconds. The one device
+    worker runs every tenant's attention in turn, so one attend's size is every tenant's wait.
 
-    CPU, 2**24: a 4,096-token prefill in one attend (4,096 x 4,096 pairs) took 1.1-2.5 s on 2 cores
-    with 16 query heads of 64 channels (BENCHMARKS.md); a larger model's heads take a few times that.
-    CUDA, 2**36: one attend prefilling a 262,144-token prompt; an engine's chunked prefill (chunks of
-    a few thousand tokens over a context of up to a million) and decode batches stay far below it.
+    CPU, 2**22 (a 2,048-token prompt prefilled in one call): measured through `kvpool serve` on a
+    2-core machine, 2.1 s with Llama-3-8B's heads (32 query heads of 128 channels, 8 KV heads); 2**24
+    took 9-12 s with those heads (0.8-1.9 s with 16 query heads of 64 channels).
+    CUDA, 2**36 (a 262,144-token prompt in one call): about 10^15 flops with those heads, seconds on
+    an H100. An engine's chunked prefill (chunks of 2-16k tokens over contexts up to 128k: 2**30 at
+    most) and its decode batches stay far below it.
     """
-    return 2**36 if device_type == "cuda" else 2**24
+    return 2**36 if device_type == "cuda" else 2**22
 
 
 # Dependencies are `async def` on purpose: FastAPI runs plain `def` dependencies in a threadpool,

@@ -36,21 +36,21 @@ def refused(r: httpx.Response, code: str = "invalid_request", status: int = 422)
 
 # -- finding 3: one big attend -------------------------------------------------------------------
 def test_an_attend_over_the_default_cpu_cap_is_refused_at_once_and_changes_nothing(start_server: Any) -> None:
-    """4,097 queries over a 4,097-token sequence: 4,097^2 pairs, just over the CPU default 2^24 (the
-    4,096-token prefill of test_long_attend is exactly at it). Refused before any work: in far less
-    time than the attention would take, with the given K/V not written."""
-    tokens, heads, dim = 4097, 1, 16
+    """2,049 queries over a 2,049-token sequence: 2,049^2 pairs, just over the CPU default 2^22.
+    Refused before any work: in far less time than the attention would take (seconds with a real
+    model's heads), with the given K/V not written."""
+    tokens, heads, dim = 2049, 1, 16
     server: Server = start_server(
         {
             "KVPOOL_NUM_LAYERS": "1",
             "KVPOOL_NUM_KV_HEADS": str(heads),
             "KVPOOL_HEAD_DIM": str(dim),
             "KVPOOL_PAGE_SIZE": "16",
-            "KVPOOL_NUM_PAGES": "300",
+            "KVPOOL_NUM_PAGES": "160",
         }
     )
     c = server.client
-    assert c.get("/v1/pool").json()["max_attend_tokens"] == 2**24
+    assert c.get("/v1/pool").json()["max_attend_tokens"] == 2**22
     c.post("/v1/sequences", json={"seq_id": "long"})
     rng = np.random.default_rng(3)
     k, v = (torch.from_numpy(rng.standard_normal((1, tokens, heads, dim), dtype=np.float32)) for _ in range(2))
@@ -65,7 +65,7 @@ def test_an_attend_over_the_default_cpu_cap_is_refused_at_once_and_changes_nothi
     started = time.monotonic()
     error = refused(c.post("/v1/attend", json=big), "attend_too_large")
     elapsed = time.monotonic() - started
-    assert error["details"] == {"tokens": tokens * tokens, "limit": 2**24}
+    assert error["details"] == {"tokens": tokens * tokens, "limit": 2**22}
     assert "KVPOOL_MAX_ATTEND_TOKENS" in error["message"]
     assert elapsed < 1.0, f"the refusal took {elapsed:.2f} s"
     assert pool_state(c, ["long"]) == before

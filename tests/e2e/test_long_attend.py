@@ -69,6 +69,7 @@ def run() -> Iterator[Run]:
             "KVPOOL_NUM_PAGES": str(NUM_PAGES),
             "KVPOOL_DTYPE": "float32",
             "KVPOOL_DEVICE": "cpu",
+            "KVPOOL_MAX_ATTEND_TOKENS": str(TOKENS * TOKENS),  # 4x the CPU default (2^22)
         }
     )
     try:
