@@ -83,6 +83,25 @@ def renew_by_failed_append(t: SequenceTable) -> None:
         t.append("s", 1000)
 
 
+def renew_by_step_with_an_unknown_id(t: SequenceTable) -> None:
+    with pytest.raises(SequenceNotFound):  # "s" is listed after the unknown one
+        t.step([("ghost", 1, None), ("s", 1, None)], seq_ids=["s"])
+
+
+def renew_by_step_listing_it_twice(t: SequenceTable) -> None:
+    with pytest.raises(InvalidRequest, match="distinct"):
+        t.step([("other", 1, None)], seq_ids=["other", "s", "s"])
+
+
+def renew_by_step_with_bad_token_ids(t: SequenceTable) -> None:
+    with pytest.raises(InvalidRequest):
+        t.step([("s", 2, [1])])
+
+
+def renew_by_refusing_it_renew(t: SequenceTable) -> None:
+    t.renew(["ghost", "s"])  # what the server calls for a refused request naming "s"
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -93,6 +112,10 @@ def renew_by_failed_append(t: SequenceTable) -> None:
         renew_by_attention,
         renew_by_fork,
         renew_by_failed_append,
+        renew_by_step_with_an_unknown_id,
+        renew_by_step_listing_it_twice,
+        renew_by_step_with_bad_token_ids,
+        renew_by_refusing_it_renew,
     ],
 )
 def test_every_call_naming_a_sequence_renews_its_lease(call: Callable[[SequenceTable], None]) -> None:

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from service.core import batching
-from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded, SequenceExists, SequenceNotFound
+from service.core.errors import (
+    AttendTooLarge,
+    InvalidRequest,
+    OutOfPages,
+    QuotaExceeded,
+    SequenceExists,
+    SequenceNotFound,
+)
 from service.core.hashing import root_hash, token_bytes
 from service.core.plan import Decode, OneRow, Plan, Rows, plan_rows
 from service.core.sequences import SequenceTable
@@ -527,6 +534,26 @@ def test_attention_batch_covers_the_last_q_len_positions() -> None:
         t.attention_batch(["a", "b"], [1, 3])
     with pytest.raises(InvalidRequest, match="distinct"):
         t.attention_batch(["a", "a"], [1, 1])
+
+
+def test_attention_batch_caps_queries_times_context_tokens() -> None:
+    t = make_table()
+    fill(t, "a", 10)
+    fill(t, "b", 2)
+    # 3 x 10 + 2 x 2 = 34 (query, context token) pairs
+    assert t.attention_batch(["a", "b"], [3, 2], max_tokens=34)[1].tolist() == [7, 0]
+    with pytest.raises(AttendTooLarge) as refused:
+        t.attention_batch(["a", "b"], [3, 2], max_tokens=33)
+    assert isinstance(refused.value, InvalidRequest) and refused.value.details == {"tokens": 34, "limit": 33}
+    assert t.attention_batch(["a"], [10], max_tokens=0)[1].tolist() == [0]  # 0: no cap
+
+
+def test_a_step_refuses_a_repeated_listed_id_before_appending() -> None:
+    t = make_table()
+    fill(t, "a", 3)
+    with pytest.raises(InvalidRequest, match="'a' is named more than once"):
+        t.step([("a", 1, None)], seq_ids=["a", "a"])
+    assert t.length(t.get("a")) == 3 and t.allocator.num_used == 1
 
 
 def test_free_returns_the_pages_whose_last_reference_it_dropped() -> None:
