@@ -41,6 +41,7 @@ def test_every_core_error_class_has_its_row() -> None:
         (errors.OutOfPages(25, 14), {"needed": 25, "available": 14}),
         (errors.SequenceNotFound("s'1"), {"seq_id": "s'1"}),
         (errors.SequenceExists("dup"), {"seq_id": "dup"}),
+        (errors.AttendTooLarge(2**22 + 1, 2**22), {"tokens": 2**22 + 1, "limit": 2**22}),
         (errors.QuotaExceeded("tenant 'a' holds 3 pages"), {}),
     ],
 )
