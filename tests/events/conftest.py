@@ -21,7 +21,7 @@ from service.cli import free_port
 from service.core.hashing import page_hash, root_hash, token_bytes
 from tests.conftest import Server
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "DECODER", "KVEventBatch"]
+__all__ = ["DECODER", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEventBatch"]
 TOPIC = "kv@pod-0@test-model"
 
 
@@ -119,7 +119,8 @@ def put_prompt(server: Server, tokens: list[int], headers: dict[str, str] | None
     body = created.json()
     rest = tokens[body["cached_tokens"] :]
     if rest:
-        r = c.post(f"/v1/sequences/{body['seq_id']}/append", json={"num_tokens": len(rest), "token_ids": rest}, headers=headers)
+        append = {"num_tokens": len(rest), "token_ids": rest}
+        r = c.post(f"/v1/sequences/{body['seq_id']}/append", json=append, headers=headers)
         assert r.status_code == 200, r.text
     assert c.delete(f"/v1/sequences/{body['seq_id']}", headers=headers).status_code == 200
     result: dict[str, Any] = body
