@@ -77,7 +77,8 @@ def test_stalled_subscriber_does_not_slow_requests(start_server: Any) -> None:
             f"{m['kvpool_kv_events_dropped_total']:.0f} dropped"
         )
         assert m["kvpool_kv_events_dropped_total"] == 0  # PUB drops for the slow reader; the queue never fills
-        assert stalled_p50 / off2 < 1.5 * idle / off + 0.2, (stalled_p50, off2, idle, off)
+        # Against events off measured interleaved with it (the same load on the machine's cores).
+        assert stalled_p50 < 1.5 * off2 + 0.5, (stalled_p50, off2, idle, off)
     finally:
         stalled.close(linger=0)
         ctx.term()
