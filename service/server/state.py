@@ -25,7 +25,12 @@ class PoolState:
         self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching)
         self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)
-        self.events = start_events(self) if settings.kv_events_endpoint else None
+        try:
+            self.events = start_events(self) if settings.kv_events_endpoint else None
+        except RuntimeError:  # e.g. the port is taken: give back what is built (the pool's shm segment)
+            self.engine.close()
+            self.storage.close()
+            raise
         self.ready = True
 
     def sequence_body(self, seq: Sequence) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 
 from service.events.publisher import END_SEQ, EventPublisher, is_bind_endpoint
@@ -88,3 +89,15 @@ def test_close_publishes_what_is_queued(tmp_path: Path) -> None:
     assert [e.block_hashes for e in events] == [[i] for i in range(5)]
     sub.close(linger=0)
     ctx.term()
+
+
+def test_a_taken_port_stops_the_server_at_start(start_server: Any) -> None:
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://*")
+    try:
+        with pytest.raises(RuntimeError, match=f"KV events: cannot open tcp://\\*:{port}.*Address already in use"):
+            start_server({"KVPOOL_KV_EVENTS_ENDPOINT": f"tcp://*:{port}"})
+    finally:
+        taken.close(linger=0)
+        ctx.term()
