@@ -80,6 +80,7 @@ class EventPublisher:
             raise RuntimeError(f"KV events: cannot open {endpoint} / {replay_endpoint or '-'}: {exc}") from exc
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else ""
+        log.info("KV events on %s (replay: %s), topic %r", self.endpoint, self.replay_endpoint or "none", topic)
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvpool-kv-events", daemon=True)
         self._thread.start()
