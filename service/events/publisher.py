@@ -5,7 +5,7 @@ The wire protocol is vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py, 
     payload = msgpack of an EventBatch; the endpoint is bound when it has a wildcard (`tcp://*:5557`,
     `::`) or is ipc:// or inproc://, and connected to otherwise;
   - ROUTER (replay): a request is [client identity, b"", start sequence (8 bytes, big-endian)] (a
-    DEALER sending [b"", start], or a REQ sending [start]); the answer is one message [identity, b"",
+    DEALER sending [b"", start]); the answer is one message [identity, b"",
     topic, seq, payload] per buffered batch whose sequence number is >= start, oldest first, then the
     end marker [identity, b"", b"", -1 as 8 signed big-endian bytes, b""]. The buffer keeps the last
     `buffer_size` batches.
