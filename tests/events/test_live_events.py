@@ -130,3 +130,20 @@ def test_replay_returns_what_a_late_subscriber_missed(start_server: Any, subscri
 
 def events_seen(batches: list[tuple[int, Any]]) -> list[Any]:
     return [e for _, batch in batches for e in batch.events]
+
+
+def test_int_hashes_as_vllm_publishes_them(start_server: Any, subscribe: Any) -> None:
+    env = events_env(KVPOOL_KV_EVENTS_HASH_FORMAT="int")
+    server = start_server(env)
+    sub = subscribe(env)
+    a, b = list(range(9)), [*range(8), 50, 51, 52, 53, 54]
+    put_prompt(server, a)
+    put_prompt(server, b)
+    ha, hb = chain(a, PAGE), chain(b, PAGE)
+
+    def as_int(h: bytes) -> int:  # vllm.v1.core.kv_cache_utils.maybe_convert_block_hash
+        return int.from_bytes(h, "big") & (2**64 - 1)
+
+    first, second = sub.events()
+    assert first.block_hashes == [as_int(h) for h in ha] and first.parent_block_hash is None
+    assert second.block_hashes == [as_int(hb[2])] and second.parent_block_hash == as_int(ha[1])
