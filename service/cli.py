@@ -124,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     http.add_argument("--client", choices=["raw", "httpx"], default="raw", help="raw: keep-alive HTTP/1.1 on asyncio")
     http.set_defaults(func=lambda a: benchmark("http").main(a))
 
+    match = bench_sub.add_parser("match", help="POST /v1/prefix/match: p50 in process and over HTTP")
+    match.add_argument("--tokens", type=int, default=4096, help="prompt length")
+    match.add_argument("--page-size", type=int, default=16)
+    match.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    match.set_defaults(func=lambda a: benchmark("match").main(a))
+
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result

@@ -92,13 +92,42 @@ class Settings(BaseSettings):
         0.0, ge=0, le=3600, allow_inf_nan=False, description="on SIGTERM, seconds /readyz answers 503 before draining"
     )
 
+    admin_tenants: str = Field("", description="comma-separated tenants that may POST /v1/prefix_cache/reset")
+
+    # -- KV events: vLLM's wire format over ZeroMQ, for cache-aware routers (service/events) --------
+    kv_events_endpoint: str = Field(
+        "", description="ZeroMQ PUB endpoint of KV events, e.g. tcp://*:5557 (bound; empty: no events)"
+    )
+    kv_events_replay_endpoint: str = Field("", description="ZeroMQ ROUTER endpoint answering replay requests")
+    kv_events_topic: str = Field("", max_length=1024, description="topic frame of every KV event message")
+    kv_events_buffer: int = Field(10_000, ge=1, le=10_000_000, description="KV event batches kept for replay")
+    kv_events_queue: int = Field(
+        100_000, ge=1, le=10_000_000, description="KV events waiting for the publisher thread; past it, dropped"
+    )
+    kv_events_hash_format: Literal["bytes", "int"] = Field(
+        "bytes", description="block hashes as 32 bytes, or as vLLM's int (the last 8 bytes, big-endian)"
+    )
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str) -> str:
+        if value and not re.match(r"^(tcp|ipc|inproc)://.+", value):
+            raise ValueError(f"a ZeroMQ endpoint is tcp://host:port, ipc://path or inproc://name, not {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_kv_events(self) -> "Settings":
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("KVPOOL_KV_EVENTS_REPLAY_ENDPOINT needs KVPOOL_KV_EVENTS_ENDPOINT")
+        return self
+
     @field_validator("api_keys")
     @classmethod
     def _check_api_keys(cls, value: SecretStr) -> SecretStr:
         parse_api_keys(value.get_secret_value())
         return value
 
-    @field_validator("ipc_tenants")
+    @field_validator("ipc_tenants", "admin_tenants")
     @classmethod
     def _check_ipc_tenants(cls, value: str) -> str:
         parse_tenant_names(value)
@@ -106,12 +135,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_ipc_tenants_have_keys(self) -> "Settings":
-        ipc = parse_tenant_names(self.ipc_tenants)
         tenants = set(self.api_key_tenants.values())
-        if ipc and not tenants:
-            raise ValueError("KVPOOL_IPC_TENANTS names tenants but KVPOOL_API_KEYS is empty, so no caller has one")
-        if ipc - tenants:
-            raise ValueError(f"KVPOOL_IPC_TENANTS names {sorted(ipc - tenants)}, which have no key in KVPOOL_API_KEYS")
+        for variable, names in (("KVPOOL_IPC_TENANTS", self.ipc_tenants), ("KVPOOL_ADMIN_TENANTS", self.admin_tenants)):
+            named = parse_tenant_names(names)
+            if named and not tenants:
+                raise ValueError(f"{variable} names tenants but KVPOOL_API_KEYS is empty, so no caller has one")
+            if named - tenants:
+                raise ValueError(f"{variable} names {sorted(named - tenants)}, which have no key in KVPOOL_API_KEYS")
         return self
 
     @property
@@ -122,6 +152,10 @@ class Settings(BaseSettings):
     @property
     def ipc_tenant_names(self) -> frozenset[str]:
         return parse_tenant_names(self.ipc_tenants)
+
+    @property
+    def admin_tenant_names(self) -> frozenset[str]:
+        return parse_tenant_names(self.admin_tenants)
 
 
 def check_formats(s: Settings) -> None:

@@ -155,11 +155,19 @@ class PageAllocator:
         self._num_cached -= len(cached)
         self.ref_count[ids] = counts + 1
 
-    def commit(self, pages: np.ndarray | list[int], parent: bytes, data: bytes | memoryview, page_nbytes: int) -> bytes:
+    def commit(
+        self,
+        pages: np.ndarray | list[int],
+        parent: bytes,
+        data: bytes | memoryview,
+        page_nbytes: int,
+        at_root: bool = False,
+    ) -> bytes:
         """Register full, written pages (whose token bytes are `data`) under their chained hashes.
 
         A key already present keeps its page (another sequence committed the same content first);
-        a page already registered keeps its entry. Returns the hash of the last page.
+        a page already registered keeps its entry. Returns the hash of the last page. at_root:
+        pages[0] is its sequence's first page (`parent` is a chain root), for the listeners.
         """
         if self._keys is None:
             self._keys = np.zeros((self.num_pages, 32 + page_nbytes), dtype=np.uint8)
@@ -171,10 +179,12 @@ class PageAllocator:
             return prefix_index.commit(*index, ids, parent, data, page_nbytes)
         before = self._is_hashed[ids]
         last = prefix_index.commit(*index, ids, parent, data, page_nbytes)
-        self._tell_stored(ids, before, parent, bytes(data), page_nbytes)
+        self._tell_stored(ids, before, parent, bytes(data), page_nbytes, at_root)
         return last
 
-    def _tell_stored(self, ids: np.ndarray, before: np.ndarray, parent: bytes, data: bytes, page_nbytes: int) -> None:
+    def _tell_stored(
+        self, ids: np.ndarray, before: np.ndarray, parent: bytes, data: bytes, page_nbytes: int, at_root: bool
+    ) -> None:
         """Tell listeners of the pages this commit registered, one call per run of consecutive ones
         (a page already registered, or whose key another page holds, ends a run)."""
         new = self._is_hashed[ids] & ~before
@@ -190,8 +200,33 @@ class PageAllocator:
             tokens = data[i * page_nbytes : j * page_nbytes]
             hashes = self._hashes[ids[i:j]]
             for listener in self.listeners:
-                listener.stored(ids[i:j], hashes, run_parent, tokens)
+                listener.stored(ids[i:j], hashes, run_parent, tokens, at_root and i == 0)
             i = j
+
+    def reset_cache(self) -> int:
+        """Drop every cached page (registered, unreferenced) from the prefix index and free it; used
+        pages stay registered. Returns how many were dropped; O(cached pages), and with listeners one
+        vectorised pass over all pages: they hear cleared() when no registered page is left, else
+        removed() of the dropped pages."""
+        num = self._num_cached
+        if num == 0:
+            return 0
+        dropped = np.asarray(
+            prefix_index.evict(self._lru, self._table, self._key_hash, self._is_hashed, num), dtype=np.int64
+        )
+        self._num_cached = 0
+        if self.listeners:
+            if self.has_registered_pages():
+                self._tell_removed(dropped)
+            else:
+                for listener in self.listeners:
+                    listener.cleared()
+        self._push_free(dropped[::-1])
+        return num
+
+    def has_registered_pages(self) -> bool:
+        """Some page (cached or used) is in the prefix index. O(num_pages), vectorised."""
+        return bool(self._is_hashed.any())
 
     def cached_pages(self) -> list[int]:
         """Cached pages, next to be evicted first."""

@@ -11,12 +11,18 @@ import numpy as np
 
 
 class CacheListener(Protocol):
-    def stored(self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, token_bytes: bytes) -> None:
+    def stored(self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, token_bytes: bytes, at_root: bool) -> None:
         """`pages` (int64 [n], consecutive pages of one sequence, in order) were registered under
         `hashes` (uint8 [n, 32]); the first one's parent hash is `parent`; `token_bytes` holds their
-        token ids, little-endian int64, n * page_size of them."""
+        token ids, little-endian int64, n * page_size of them. `at_root`: the first one is its
+        sequence's first page, so `parent` is the chain's root (service.core.hashing.root_hash of
+        the tenant and cache salt), not the hash of a page."""
 
     def removed(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
         """`pages` (int64 [n]) left the prefix index (evicted, or dropped by a reset) and may be
         reused once the call returns; their K/V is still in place until then. `hashes` (uint8 [n, 32])
         are their hashes, `keys` (uint8 [n, 32 + page_nbytes]) each one's parent hash || token bytes."""
+
+    def cleared(self) -> None:
+        """Every page left the prefix index at once (a reset that found no used page registered):
+        told instead of removed(); the pages it dropped may be reused once the call returns."""

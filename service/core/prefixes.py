@@ -51,6 +51,11 @@ class Prefixes:
         tokens.frombytes(data[: len(pages) * nbytes])  # little-endian int64, as array("q") is here
         return pages, last, tokens
 
+    def num_cached(self, token_ids: list[int], tenant: str, cache_salt: str = "") -> int:
+        """How many leading pages of the prompt match() would hit now, changing nothing (no pin, no
+        LRU move, no counter)."""
+        return len(self.match(token_ids, tenant, cache_salt)[0])
+
     def record(self, change: OneRow | Decode | Rows) -> None:
         """Keep the appended token ids; an append without them makes its sequence's unknown."""
         if isinstance(change, OneRow):
@@ -104,6 +109,6 @@ class Prefixes:
         # A view, not a copy; released at once, since an array exporting a buffer cannot grow.
         with memoryview(seq.tokens) as ids, ids.cast("B") as data:
             seq.last_hash = self.allocator.commit(
-                pages, seq.last_hash, data[start * size * 8 : num_full * size * 8], size * 8
+                pages, seq.last_hash, data[start * size * 8 : num_full * size * 8], size * 8, start == 0
             )
         self.blocks.num_hashed[row] = num_full

@@ -16,7 +16,7 @@ from service.server.errors import install_error_handlers
 from service.server.leases import start_lease_sweeper, stop_lease_sweeper
 from service.server.limits import BodySizeLimit
 from service.server.metrics import Metrics, RequestMetricsMiddleware
-from service.server.routes import attend, ipc, pool, sequences, step
+from service.server.routes import attend, ipc, pool, prefix, sequences, step
 from service.server.routes import metrics as metrics_route
 from service.server.routes.table import document_request_bodies
 from service.server.state import PoolState
@@ -60,7 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.pool = state
     install_error_handlers(app)
     app.state.metrics = Metrics(state)  # a registry per app
-    tables = [module.routes for module in (sequences, step, attend, pool, ipc, metrics_route)]
+    tables = [module.routes for module in (sequences, step, attend, pool, prefix, ipc, metrics_route)]
     for table in tables:
         table.add_to(app)  # flat: each route straight into the app's table
     document_request_bodies(app, [model for table in tables for model in table.body_models])

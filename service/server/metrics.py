@@ -40,7 +40,7 @@ class PoolCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         state = self.state
         a, seqs, s = state.allocator, state.sequences, state.settings
-        stats = seqs.stats
+        stats, events = seqs.stats, state.events
         used = a.num_used
         gauges = [
             ("kvpool_pages_total", "Pages in the pool (the null page not counted).", a.num_pages),
@@ -64,6 +64,10 @@ class PoolCollector(Collector):
             ("kvpool_allocation_failures", "Appends refused for lack of pages.", stats.allocation_failures),
             ("kvpool_sequences_expired", "Sequences freed by the lease sweeper.", stats.sequences_expired),
             ("kvpool_tokens_appended", "Tokens appended to sequences.", stats.tokens_appended),
+            # KV events (0 while KVPOOL_KV_EVENTS_ENDPOINT is unset): published on the ZeroMQ socket,
+            # or dropped because the publisher's queue was full (subscribers then see a sequence gap).
+            ("kvpool_kv_events_published", "KV events published.", events.published if events else 0),
+            ("kvpool_kv_events_dropped", "KV events dropped: their queue was full.", events.dropped if events else 0),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -1,7 +1,7 @@
 """Everything one app owns, built once by create_app(), reached through dependency aliases."""
 
 import uuid
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 from fastapi import Depends, Request
@@ -13,6 +13,9 @@ from service.core.sequences import Sequence, SequenceTable
 from service.engine.engine import Engine
 from service.engine.storage import Storage
 
+if TYPE_CHECKING:
+    from service.events.publisher import EventPublisher
+
 
 class PoolState:
     def __init__(self, settings: Settings) -> None:
@@ -23,6 +26,12 @@ class PoolState:
         self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)
         self.max_attend_tokens = settings.max_attend_tokens or default_max_attend_tokens(self.storage.device.type)
+        try:
+            self.events = start_events(self) if settings.kv_events_endpoint else None
+        except RuntimeError:  # e.g. the port is taken: give back what is built (the pool's shm segment)
+            self.engine.close()
+            self.storage.close()
+            raise
         self.ready = True
 
     def sequence_body(self, seq: Sequence) -> dict[str, Any]:
@@ -39,6 +48,8 @@ class PoolState:
 
     def close(self) -> None:
         self.ready = False
+        if self.events is not None:
+            self.events.close()
         self.engine.close()
         self.storage.close()
 
@@ -55,6 +66,24 @@ def default_max_attend_tokens(device_type: str) -> int:
     most) and its decode batches stay far below it.
     """
     return 2**36 if device_type == "cuda" else 2**22
+def start_events(state: PoolState) -> "EventPublisher":
+    """The KV event publisher of KVPOOL_KV_EVENTS_* (zmq and msgspec are imported only when it is on)."""
+    from service.events.listener import start_publishing
+    from service.events.wire import MEDIUM_CPU, MEDIUM_GPU
+
+    s = state.settings
+    medium = MEDIUM_GPU if state.storage.device.type == "cuda" else MEDIUM_CPU
+    return start_publishing(
+        state.allocator,
+        s.page_size,
+        medium,
+        s.kv_events_endpoint,
+        s.kv_events_replay_endpoint,
+        s.kv_events_topic,
+        s.kv_events_buffer,
+        s.kv_events_queue,
+        s.kv_events_hash_format,
+    )
 
 
 # Dependencies are `async def` on purpose: FastAPI runs plain `def` dependencies in a threadpool,

@@ -206,6 +206,21 @@ class PoolOut(Answer):
     kv_lora_rank: int | None = Field(None, description="MLA pools: value channels of the latent")
 
 
+class PrefixMatch(Strict):
+    token_ids: list[TokenId] = Field(max_length=2**24, description="the prompt")
+    cache_salt: str | None = Field(None, max_length=1024, description="as in POST /v1/sequences")
+
+
+class PrefixMatchOut(Answer):
+    cached_tokens: int = Field(description="leading tokens a create with these ids would find cached now")
+    num_pages: int = Field(description="cached pages they fill")
+
+
+class CacheResetOut(Answer):
+    dropped_pages: int = Field(description="cached (unreferenced) pages dropped from the prefix cache")
+    all_cleared: bool = Field(description="no cached or used page is left registered in the prefix cache")
+
+
 def _describe_codes() -> str:
     return "the code and its HTTP status: " + ", ".join(f"{code} {row.status}" for code, row in ERROR_CODES.items())
 

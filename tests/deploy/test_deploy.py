@@ -23,6 +23,7 @@ from packaging.requirements import Requirement
 from prometheus_client.parser import text_string_to_metric_families
 
 from service import __version__
+from service.config import Settings
 from tests.conftest import REPO, SMALL_POOL, Server
 
 DEPLOY = REPO / "deploy"
@@ -107,6 +108,8 @@ def test_every_dashboard_query_names_an_exported_metric(exported_names: set[str]
         "kvpool_allocation_failures_total",
         "kvpool_request_duration_seconds_bucket",
         "kvpool_attention_duration_seconds_bucket",
+        "kvpool_kv_events_published_total",
+        "kvpool_kv_events_dropped_total",
     } <= queried
     quantiles = [t["expr"] for p in all_panels(dashboard()["panels"]) for t in p.get("targets", [])]
     for histogram in ("kvpool_request_duration_seconds", "kvpool_attention_duration_seconds"):
@@ -203,7 +206,7 @@ def manifest(name: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("name", ["deployment.yaml", "service.yaml"])
+@pytest.mark.parametrize("name", ["deployment.yaml", "service.yaml", "kv-events-service.yaml"])
 def test_manifest_matches_the_kubernetes_schema(name: str, version: str) -> None:
     kubernetes_validate.validate(manifest(name), version, strict=True)
 
@@ -238,6 +241,27 @@ def test_deployment_gpu_ipc_probes_and_user() -> None:
     for port in service["spec"]["ports"]:
         assert port["targetPort"] in port_names
     assert "one replica per gpu" in (K8S / "deployment.yaml").read_text().lower()
+
+
+def test_kv_events_ports_are_the_settings_and_reach_every_pod() -> None:
+    """The pod binds its KV event sockets on the ports it declares; the headless Service gives each pod
+    its own address for them; the settings are valid once Kubernetes has expanded $(POD_IP)."""
+    container = manifest("deployment.yaml")["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVPOOL_KV_EVENTS_ENDPOINT"] == f"tcp://*:{ports['kv-events']}"
+    assert env["KVPOOL_KV_EVENTS_REPLAY_ENDPOINT"] == f"tcp://*:{ports['kv-replay']}"
+    names = [e["name"] for e in container["env"]]
+    assert names.index("POD_IP") < names.index("KVPOOL_KV_EVENTS_TOPIC")  # $(POD_IP) expands only then
+    assert env["KVPOOL_KV_EVENTS_TOPIC"].startswith("kv@$(POD_IP)@")
+    expanded = {k.removeprefix("KVPOOL_").lower(): v.replace("$(POD_IP)", "10.0.0.7") for k, v in env.items() if v}
+    settings = Settings(**{k: v for k, v in expanded.items() if k in Settings.model_fields})
+    assert settings.kv_events_topic == "kv@10.0.0.7@meta-llama/Llama-3.1-8B-Instruct"
+    service = manifest("kv-events-service.yaml")
+    assert service["spec"]["clusterIP"] == "None"  # headless: one record per pod, no load balancing
+    pod_labels = manifest("deployment.yaml")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"kv-events", "kv-replay"}
 
 
 def test_probe_paths_answer_on_a_live_server(live_server: Server) -> None:

@@ -69,6 +69,8 @@ def expected(
         "kvpool_allocation_failures_total": failures,
         "kvpool_sequences_expired_total": 0,
         "kvpool_tokens_appended_total": appended,
+        "kvpool_kv_events_published_total": 0,  # KVPOOL_KV_EVENTS_ENDPOINT unset (tests/events publish)
+        "kvpool_kv_events_dropped_total": 0,
     }
 
 

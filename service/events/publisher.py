@@ -1,0 +1,164 @@
+"""The publisher: a bounded queue, one thread, a ZeroMQ PUB socket and a replay ROUTER socket.
+
+The wire protocol is vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py, 0.32):
+  - PUB: each batch is the multipart message [topic, sequence number (8 bytes, big-endian), payload],
+    payload = msgpack of an EventBatch; the endpoint is bound when it has a wildcard (`tcp://*:5557`,
+    `::`) or is ipc:// or inproc://, and connected to otherwise;
+  - ROUTER (replay): a request is [client identity, b"", start sequence (8 bytes, big-endian)] (a
+    DEALER sending [b"", start]); the answer is one message [identity, b"",
+    topic, seq, payload] per buffered batch whose sequence number is >= start, oldest first, then the
+    end marker [identity, b"", b"", -1 as 8 signed big-endian bytes, b""]. The buffer keeps the last
+    `buffer_size` batches.
+
+What differs, on purpose: the request path never waits. put() is called on the event loop (by the
+listener) and only appends a small tuple to the queue; when the queue is full the item is dropped and
+counted, never the request. The thread turns queued items into events (`make_event`) and sends
+everything waiting as one batch. Sequence numbers count batches from 0 with no gaps, except that
+the first batch after a drop skips one number: a subscriber that sees the gap knows events were lost
+(a replay cannot return them: they were never published) and should rebuild what it holds.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from service.events.wire import EventBatch, KVCacheEvent
+
+log = logging.getLogger("kvpool.events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_BATCH = 1024  # events per batch at most (a burst becomes several batches)
+POLL_S = 0.1  # how long the thread waits for an item before it looks at the replay socket again
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class EventPublisher:
+    def __init__(
+        self,
+        make_event: Callable[[Any], KVCacheEvent],
+        endpoint: str,
+        replay_endpoint: str = "",
+        topic: str = "",
+        buffer_size: int = 10_000,
+        queue_size: int = 100_000,
+        hwm: int = 100_000,
+    ) -> None:
+        self._make_event = make_event
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
+        self._topic = topic.encode()
+        self.published = 0  # events sent (written by the thread only)
+        self.batches = 0
+        self.dropped = 0  # events dropped because the queue was full (written by put() only)
+        self._dropped_seen = 0
+        self._next_seq = 0
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket[bytes] | None = None
+        try:
+            self._pub.set_hwm(hwm)  # past it, a slow subscriber loses messages; PUB never blocks
+            if is_bind_endpoint(endpoint):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            if replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise RuntimeError(f"KV events: cannot open {endpoint} / {replay_endpoint or '-'}: {exc}") from exc
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else ""
+        log.info("KV events on %s (replay: %s), topic %r", self.endpoint, self.replay_endpoint or "none", topic)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kvpool-kv-events", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Any) -> None:
+        """Queue `item` for the thread; never blocks: a full queue drops it (counted)."""
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.dropped += 1
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Publish what is queued (for up to `timeout` seconds), then stop the thread and close."""
+        self._running = False
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("KV events: the publisher thread did not stop in %.1f s", timeout)
+            return  # the daemon thread still uses the sockets: leave them to the process exit
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        deadline = None
+        while True:
+            if not self._running:
+                deadline = deadline or time.monotonic() + 1.0
+                if self._queue.empty() or time.monotonic() > deadline:
+                    return
+            if self._replay is not None and self._replay.poll(0):
+                try:
+                    self._serve_replay()
+                except Exception:  # a bad request must not stop publishing
+                    log.exception("KV events: replay request failed")
+            try:
+                items = [self._queue.get(timeout=POLL_S)]
+            except queue.Empty:
+                continue
+            while len(items) < MAX_BATCH:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._publish(encoder, items)
+            except Exception:
+                log.exception("KV events: publishing a batch failed")
+                time.sleep(POLL_S)
+
+    def _publish(self, encoder: msgspec.msgpack.Encoder, items: list[Any]) -> None:
+        dropped = self.dropped
+        if dropped != self._dropped_seen:  # events were lost since the last batch: leave a gap
+            self._dropped_seen = dropped
+            self._next_seq += 1
+        batch = EventBatch(ts=time.time(), events=[self._make_event(i) for i in items], data_parallel_rank=0)
+        payload = encoder.encode(batch)
+        seq = self._next_seq
+        self._next_seq += 1
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+        self.published += len(items)
+        self.batches += 1
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("KV events: invalid replay request of %d frames", len(frames))
+            return
+        client, _, start_bytes = frames
+        start = int.from_bytes(start_bytes, "big")
+        for seq, payload in self._buffer:
+            if seq >= start:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
