@@ -41,6 +41,7 @@ class PageAllocator:
         # SHA-256 preimage of their hash; the keys array comes with the first commit.
         self._table, self._key_hash, self._hashes, self._is_hashed = prefix_index.new_index(num_pages)
         self._keys: np.ndarray | None = None
+        self._seed: np.ndarray | None = None  # the probe hash's secret key (prefix_index.new_seed)
         self.num_evictions = 0
         # Watchers of the prefix cache (KV events, lower tiers): told of every page that enters or
         # leaves the index. Empty by default, and then it costs one truth test per commit/eviction.
@@ -144,16 +145,13 @@ class PageAllocator:
     def match(self, parent: bytes, data: bytes, page_nbytes: int) -> tuple[list[int], bytes]:
         """Committed pages matching the leading full pages of `data` (token bytes), chained from
         `parent`; stops at the first miss. Returns (pages, hash of the last matched page or parent)."""
-        return prefix_index.match(self._table, self._keys, self._key_hash, self._hashes, parent, data, page_nbytes)
+        index = (self._table, self._keys, self._key_hash, self._hashes, self._seed)
+        return prefix_index.match(*index, parent, data, page_nbytes)
 
-    def acquire_cached(self, pages: list[int]) -> None:
-        """Take a reference to each of `pages` (distinct), all returned by match()."""
-        ids = np.asarray(pages, dtype=np.int64)
-        counts = self.ref_count[ids]
-        cached = ids[counts == 0]
-        prefix_index.lru_remove(self._lru, cached)
-        self._num_cached -= len(cached)
-        self.ref_count[ids] = counts + 1
+    def acquire_cached(self, pages: list[int], out: np.ndarray | None = None) -> None:
+        """Take a reference to each of `pages` (distinct), all returned by match(); with `out` (a
+        uint32 block-table row), also write them to out[:len(pages)]."""
+        self._num_cached -= prefix_index.acquire(self._lru, self.ref_count, pages, out)
 
     def commit(self, pages: np.ndarray | list[int], parent: bytes, data: bytes | memoryview, page_nbytes: int) -> bytes:
         """Register full, written pages (whose token bytes are `data`) under their chained hashes.
@@ -163,10 +161,11 @@ class PageAllocator:
         """
         if self._keys is None:
             self._keys = np.zeros((self.num_pages, 32 + page_nbytes), dtype=np.uint8)
+            self._seed = prefix_index.new_seed(32 + page_nbytes)
         elif self._keys.shape[1] != 32 + page_nbytes:
             raise ValueError(f"pages of {page_nbytes} token bytes; this allocator has {self._keys.shape[1] - 32}")
         ids = np.ascontiguousarray(pages, dtype=np.int64)
-        index = (self._table, self._keys, self._key_hash, self._hashes, self._is_hashed)
+        index = (self._table, self._keys, self._key_hash, self._hashes, self._is_hashed, self._seed)
         if not self.listeners:
             return prefix_index.commit(*index, ids, parent, data, page_nbytes)
         before = self._is_hashed[ids]

@@ -24,10 +24,10 @@ def root_hash(tenant: str, cache_salt: str = "") -> bytes:
     return hashlib.sha256(_ROOT_DOMAIN + tenant.encode() + salt).digest()
 
 
-def token_bytes(token_ids: list[int]) -> bytes:
-    """Token ids as little-endian int64 bytes (what page hashes and the prefix index are over);
-    OverflowError for an id outside int64."""
-    return prefix_index.int64_bytes(token_ids)  # a compiled loop: faster than struct.pack or numpy on a list
+def token_bytes(token_ids: list[int], start: int = 0, stop: int = -1) -> bytes:
+    """token_ids[start:stop] (stop -1: to the end) as little-endian int64 bytes (what page hashes
+    and the prefix index are over); OverflowError for an id outside int64."""
+    return prefix_index.int64_bytes(token_ids, start, stop)  # compiled: faster than struct.pack or numpy
 
 
 def page_hash(parent: bytes, page_tokens: bytes) -> bytes:

@@ -25,7 +25,6 @@ from service.core.allocator import PageAllocator
 from service.core.block_tables import BlockTables
 from service.core.errors import InvalidRequest, OutOfPages, QuotaExceeded
 from service.core.plan import (
-    NO_PAGES,
     NewRow,
     Plan,
     checked_data,
@@ -136,8 +135,7 @@ class SequenceTable:
         hits, last_hash, tokens = self.prefixes.match(token_ids or [], tenant, cache_salt)
         num_cached = len(hits) * self.page_size
         seq = Sequence(seq_id, tenant, -1, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
-        pages = np.array(hits, dtype=np.int64) if hits else NO_PAGES
-        self.apply(self.check(plan_new(NewRow(seq, pages, True, num_cached, len(hits), True))))
+        self.apply(self.check(plan_new(NewRow(seq, hits, True, num_cached, len(hits), True))))
         if token_ids:
             self.stats.prefix_query_tokens += len(token_ids)
             self.stats.prefix_hit_tokens += num_cached
