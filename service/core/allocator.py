@@ -153,6 +153,18 @@ class PageAllocator:
         uint32 block-table row), also write them to out[:len(pages)]."""
         self._num_cached -= prefix_index.acquire(self._lru, self.ref_count, pages, out)
 
+    def reserve_keys(self, page_nbytes: int) -> None:
+        """Make the index's key array for pages of page_nbytes token bytes (else the first commit
+        does), and touch all of it now: otherwise the first commit into each 4 KiB of it faults the
+        memory in, a microsecond every two keys of 2 KiB on the commit path."""
+        if self._keys is not None:
+            if self._keys.shape[1] != 32 + page_nbytes:
+                raise ValueError(f"pages of {page_nbytes} token bytes; this allocator has {self._keys.shape[1] - 32}")
+            return
+        self._keys = np.empty((self.num_pages, 32 + page_nbytes), dtype=np.uint8)
+        self._keys.fill(0)
+        self._seed = prefix_index.new_seed(32 + page_nbytes)
+
     def commit(self, pages: np.ndarray | list[int], parent: bytes, data: bytes | memoryview, page_nbytes: int) -> bytes:
         """Register full, written pages (whose token bytes are `data`) under their chained hashes.
 
@@ -160,8 +172,7 @@ class PageAllocator:
         a page already registered keeps its entry. Returns the hash of the last page.
         """
         if self._keys is None:
-            self._keys = np.zeros((self.num_pages, 32 + page_nbytes), dtype=np.uint8)
-            self._seed = prefix_index.new_seed(32 + page_nbytes)
+            self.reserve_keys(page_nbytes)
         elif self._keys.shape[1] != 32 + page_nbytes:
             raise ValueError(f"pages of {page_nbytes} token bytes; this allocator has {self._keys.shape[1] - 32}")
         ids = np.ascontiguousarray(pages, dtype=np.int64)

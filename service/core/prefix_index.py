@@ -212,7 +212,8 @@ def commit(
 ) -> bytes:
     """Hash pages[i] (token bytes data[i*page_nbytes:(i+1)*page_nbytes]) after its predecessor and
     register it unless it is registered already or another page holds its key (the first committer
-    keeps a key). Returns the hash of the last page."""
+    keeps a key). Returns the hash of the last page. A key found registered computes no SHA-256: its
+    page's stored hash is the same digest (a prompt that hit the cache commits its last page so)."""
     raw: bytes = _check(parent, data, page_nbytes)
     _check_index(table, keys, key_hash, hashes)
     if keys.shape[1] != DIGEST + page_nbytes or len(is_hashed) != len(key_hash):
@@ -228,14 +229,16 @@ def commit(
     for i in range(len(pages)):
         page = pages[i]
         h = _key_hash(seed, parent, raw, i * page_nbytes, page_nbytes)
+        slot = _find(table, keys, key_hash, parent, raw, i * page_nbytes, h)
+        if table[slot] >= 0:  # the key is registered (a taken key stays with its page): its hash is known
+            parent = _row_bytes(hashes, table[slot])
+            continue
         digest = _sha256(parent, raw, i * page_nbytes, page_nbytes)
         if not is_hashed[page]:
-            slot = _find(table, keys, key_hash, parent, raw, i * page_nbytes, h)
-            if table[slot] < 0:  # (a taken key stays with its page)
-                table[slot] = page
-                _store(keys, hashes, page, parent, digest, raw, i * page_nbytes, page_nbytes)
-                key_hash[page] = h
-                is_hashed[page] = True
+            table[slot] = page
+            _store(keys, hashes, page, parent, digest, raw, i * page_nbytes, page_nbytes)
+            key_hash[page] = h
+            is_hashed[page] = True
         parent = digest
     return parent
 

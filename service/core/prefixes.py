@@ -43,13 +43,14 @@ class Prefixes:
         size, nbytes = self.page_size, self.page_size * 8
         first = checked_token_bytes(token_ids, 0, size)
         pages, last = self.allocator.match(root, first, nbytes)
-        if pages and max_hits > 1:  # all the pages a hit may cover, probed from the root again
-            data = checked_token_bytes(token_ids, 0, max_hits * size)
-            pages, last = self.allocator.match(root, data, nbytes)
-            with memoryview(data) as view:
-                tokens.frombytes(view[: len(pages) * nbytes])  # little-endian int64, as array("q") is here
-        elif pages:
-            tokens.frombytes(first)
+        if pages:
+            tokens.frombytes(first)  # little-endian int64, as array("q") is here
+        if pages and max_hits > 1:
+            rest = checked_token_bytes(token_ids, size, max_hits * size)
+            more, last = self.allocator.match(last, rest, nbytes)
+            pages += more
+            with memoryview(rest) as view:
+                tokens.frombytes(view[: len(more) * nbytes])
         return pages, last, tokens
 
     def record(self, change: OneRow | Decode | Rows) -> None:

@@ -52,6 +52,8 @@ class SequenceTable:
         self.page_size = page_size
         self.sentinel = allocator.num_pages
         self.blocks = BlockTables(self.sentinel, page_size)
+        if allocator.enable_prefix_caching:
+            allocator.reserve_keys(page_size * 8)
         self.clock = clock  # leases: expires_at is on this clock
         self.registry = Registry(clock)
         self.prefixes = Prefixes(allocator, self.blocks, self.registry.of_row)
