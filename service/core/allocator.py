@@ -175,13 +175,15 @@ class PageAllocator:
             self.reserve_keys(page_nbytes)
         elif self._keys.shape[1] != 32 + page_nbytes:
             raise ValueError(f"pages of {page_nbytes} token bytes; this allocator has {self._keys.shape[1] - 32}")
-        ids = np.ascontiguousarray(pages, dtype=np.int64)
+        ids = pages  # a block-table slice (uint32) goes as it is; a list or another array as int64
+        if not (type(pages) is np.ndarray and pages.dtype == np.uint32 and pages.flags.c_contiguous):
+            ids = np.ascontiguousarray(pages, dtype=np.int64)
         index = (self._table, self._keys, self._key_hash, self._hashes, self._is_hashed, self._seed)
         if not self.listeners:
             return prefix_index.commit(*index, ids, parent, data, page_nbytes)
         before = self._is_hashed[ids]
         last = prefix_index.commit(*index, ids, parent, data, page_nbytes)
-        self._tell_stored(ids, before, parent, bytes(data), page_nbytes)
+        self._tell_stored(ids.astype(np.int64), before, parent, bytes(data), page_nbytes)
         return last
 
     def _tell_stored(self, ids: np.ndarray, before: np.ndarray, parent: bytes, data: bytes, page_nbytes: int) -> None:

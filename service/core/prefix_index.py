@@ -32,7 +32,10 @@ import numpy as np
 
 COMPILED: bool = cython.compiled  # True in the build setup.py compiles, False run as plain Python
 
-DIGEST = cython.declare(cython.Py_ssize_t, 32)  # bytes of a SHA-256 digest
+DIGEST = cython.declare(cython.Py_ssize_t, 32)
+# A page id as a block table holds it (uint32) or as the allocator hands it out (int64): commit()
+# takes either, picking the specialisation by itemsize (as page_ops does).
+page_t = cython.fused_type(cython.uint, cython.longlong)  # bytes of a SHA-256 digest
 # murmur3's 64-bit finaliser constants (probe_hash)
 MIX1 = cython.declare(cython.ulonglong, 0xFF51AFD7ED558CCD)
 MIX2 = cython.declare(cython.ulonglong, 0xC4CEB9FE1A85EC53)
@@ -196,7 +199,7 @@ def _check_seed(seed: cython.const_uint[::1], key_len: cython.Py_ssize_t) -> Non
         raise ValueError("the seed is too short for these keys")
 
 
-@cython.boundscheck(False)  # the pages are checked, the data split into whole pages, the arrays by _check_index
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def commit(
     table: cython.int[::1],
@@ -205,7 +208,7 @@ def commit(
     hashes: cython.uchar[:, ::1],
     is_hashed: cython.uchar[::1],
     seed: cython.const_uint[::1],
-    pages: cython.const_longlong[::1],
+    pages: np.ndarray,
     parent: bytes,
     data: bytes | memoryview,
     page_nbytes: cython.Py_ssize_t,
@@ -213,16 +216,41 @@ def commit(
     """Hash pages[i] (token bytes data[i*page_nbytes:(i+1)*page_nbytes]) after its predecessor and
     register it unless it is registered already or another page holds its key (the first committer
     keeps a key). Returns the hash of the last page. A key found registered computes no SHA-256: its
-    page's stored hash is the same digest (a prompt that hit the cache commits its last page so)."""
+    page's stored hash is the same digest (a prompt that hit the cache commits its last page so).
+    pages: C-contiguous int64, or uint32 (a slice of a block-table row)."""
     raw: bytes = _check(parent, data, page_nbytes)
     _check_index(table, keys, key_hash, hashes)
     if keys.shape[1] != DIGEST + page_nbytes or len(is_hashed) != len(key_hash):
         raise ValueError("keys or is_hashed do not fit the pages")
     _check_seed(seed, keys.shape[1])
-    _check_pages(pages, len(key_hash))
     if len(pages) > len(raw) // page_nbytes:
         raise ValueError("more pages than data")
+    if pages.itemsize == 4:
+        pages32: cython.uint[::1] = pages
+        return _commit(table, keys, key_hash, hashes, is_hashed, seed, pages32, parent, raw, page_nbytes)
+    pages64: cython.longlong[::1] = pages
+    return _commit(table, keys, key_hash, hashes, is_hashed, seed, pages64, parent, raw, page_nbytes)
+
+
+@cython.cfunc
+@cython.boundscheck(False)  # commit() checked the arrays and the data, the pages are checked here
+@cython.wraparound(False)
+def _commit(
+    table: cython.int[::1],
+    keys: cython.uchar[:, ::1],
+    key_hash: cython.longlong[::1],
+    hashes: cython.uchar[:, ::1],
+    is_hashed: cython.uchar[::1],
+    seed: cython.const_uint[::1],
+    pages: page_t[::1],
+    parent: bytes,
+    raw: bytes,
+    page_nbytes: cython.Py_ssize_t,
+) -> bytes:
     i: cython.Py_ssize_t
+    for i in range(len(pages)):
+        if not 0 <= pages[i] < len(key_hash):
+            raise IndexError("page out of range")
     h: cython.longlong
     page: cython.longlong
     slot: cython.Py_ssize_t

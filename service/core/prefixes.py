@@ -102,7 +102,7 @@ class Prefixes:
         start = int(self.blocks.num_hashed[row])
         if num_full <= start:
             return
-        pages = self.blocks.tables[row, start:num_full].astype(np.int64)
+        pages = self.blocks.tables[row, start:num_full]  # (uint32: the allocator takes a row's slice as it is)
         # A view, not a copy; released at once, since an array exporting a buffer cannot grow.
         with memoryview(seq.tokens) as ids, ids.cast("B") as data:
             seq.last_hash = self.allocator.commit(
