@@ -175,8 +175,9 @@ class PageAllocator:
             self.reserve_keys(page_nbytes)
         elif self._keys.shape[1] != 32 + page_nbytes:
             raise ValueError(f"pages of {page_nbytes} token bytes; this allocator has {self._keys.shape[1] - 32}")
-        ids = pages  # a block-table slice (uint32) goes as it is; a list or another array as int64
-        if not (type(pages) is np.ndarray and pages.dtype == np.uint32 and pages.flags.c_contiguous):
+        if type(pages) is np.ndarray and pages.dtype == np.uint32 and pages.flags.c_contiguous:
+            ids = pages  # a block-table slice goes as it is; a list or another array as int64
+        else:
             ids = np.ascontiguousarray(pages, dtype=np.int64)
         index = (self._table, self._keys, self._key_hash, self._hashes, self._is_hashed, self._seed)
         if not self.listeners:

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="valid-type,index"
+# (mypy reads page_t, a Cython fused type, as a variable, not a type.)
 """The per-page loops of the prefix cache: commit (chained SHA-256 + registration), match, evict,
 the LRU list, and the int64 conversion of token ids.
 
