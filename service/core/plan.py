@@ -29,7 +29,7 @@ from service.core.allocator import PageAllocator
 from service.core.block_tables import BlockTables
 from service.core.errors import InvalidRequest
 from service.core.hashing import token_bytes
-from service.core.records import Extension, Sequence
+from service.core.records import Extension, Sequence, TokenIds
 
 NO_PAGES = np.empty(0, dtype=np.int64)
 
@@ -229,7 +229,7 @@ def _copy_on_write(
 
 
 # -- token ids: converted and checked while planning, so a bad id fails the whole call ---------------
-def checked_token_bytes(token_ids: list[int], start: int = 0, stop: int = -1) -> bytes:
+def checked_token_bytes(token_ids: TokenIds, start: int = 0, stop: int = -1) -> bytes:
     """token_bytes(token_ids[start:stop]) (stop -1: to the end), with InvalidRequest for an id that
     is no int64."""
     try:
@@ -238,7 +238,7 @@ def checked_token_bytes(token_ids: list[int], start: int = 0, stop: int = -1) ->
         raise InvalidRequest(f"token ids must be int64 integers: {exc}") from None
 
 
-def checked_data(count: int, token_ids: list[int] | None) -> bytes | None:
+def checked_data(count: int, token_ids: TokenIds | None) -> bytes | None:
     """One append's token ids as int64 bytes (None if it has none), or InvalidRequest."""
     _check_count(count)
     if token_ids is None:

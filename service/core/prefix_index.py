@@ -503,10 +503,13 @@ def _check_pages(pages: cython.const_longlong[::1], num_pages: cython.Py_ssize_t
 def int64_bytes(token_ids: Sequence[int], start: cython.Py_ssize_t = 0, stop: cython.Py_ssize_t = -1) -> bytes:
     """token_ids[start:stop] (stop -1: to the end; clipped like a slice) as little-endian int64 bytes
     (what page hashes and the prefix index are over): TypeError for an id that is not an int,
-    OverflowError for one outside int64. A list is read in place, without a slice."""
+    OverflowError for one outside int64. A list is read in place, without a slice; a 1-D numpy
+    integer array (what an engine holding its token ids in numpy passes) is copied as a block."""
     n: cython.Py_ssize_t = len(token_ids)
     stop = n if stop < 0 or stop > n else stop
     start = min(max(start, 0), stop)
+    if isinstance(token_ids, np.ndarray):
+        return _array_bytes(token_ids[start:stop])
     out = bytes(8 * (stop - start))  # new and unshared: filled here, then handed out
     i: cython.Py_ssize_t
     if not cython.compiled:
@@ -530,6 +533,15 @@ def int64_bytes(token_ids: Sequence[int], start: cython.Py_ssize_t = 0, stop: cy
             raise TypeError(f"token ids must be ints, not {type(token).__name__}")
         op[i - start] = token
     return out
+
+
+def _array_bytes(ids: np.ndarray) -> bytes:
+    """A 1-D integer array as int64 bytes; TypeError for another dtype, OverflowError outside int64."""
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be a 1-D integer array, not {ids.ndim}-D {ids.dtype}")
+    if ids.dtype.kind == "u" and ids.itemsize == 8 and len(ids) and int(ids.max()) >= 1 << 63:
+        raise OverflowError("a token id is outside int64")
+    return ids.astype("<i8", copy=False).tobytes()
 
 
 @cython.cfunc

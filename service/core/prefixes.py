@@ -16,7 +16,7 @@ from service.core.allocator import PageAllocator
 from service.core.block_tables import BlockTables
 from service.core.hashing import root_hash
 from service.core.plan import Decode, OneRow, Rows, checked_token_bytes
-from service.core.records import Sequence
+from service.core.records import Sequence, TokenIds
 
 
 class Prefixes:
@@ -27,7 +27,7 @@ class Prefixes:
         self.page_size = blocks.page_size
         self._roots: dict[str, bytes] = {}
 
-    def match(self, token_ids: list[int], tenant: str, cache_salt: str = "") -> tuple[list[int], bytes, "array[int]"]:
+    def match(self, token_ids: TokenIds, tenant: str, cache_salt: str = "") -> tuple[list[int], bytes, "array[int]"]:
         """(cached pages starting the prompt, the hash of the last one, the token ids they hold as
         int64); a hit never covers the last prompt token. The root hash is salted by the tenant and
         the cache salt; tenants' roots are memoised, salts (one per request, typically) are not."""

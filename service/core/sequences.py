@@ -34,7 +34,7 @@ from service.core.plan import (
     plan_rows,
 )
 from service.core.prefixes import Prefixes
-from service.core.records import Append, Extension, Sequence, Stats, StepResult
+from service.core.records import Append, Extension, Sequence, Stats, StepResult, TokenIds
 from service.core.registry import Registry
 
 __all__ = ["Sequence", "SequenceTable", "Stats", "StepResult"]
@@ -120,7 +120,7 @@ class SequenceTable:
     def create(
         self,
         seq_id: str | None = None,
-        token_ids: list[int] | None = None,
+        token_ids: TokenIds | None = None,
         tenant: str = "",
         ttl_s: float = 0.0,
         cache_salt: str = "",
@@ -134,11 +134,11 @@ class SequenceTable:
         if not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise InvalidRequest(f"ttl_s must be a finite number >= 0, not {ttl_s}")
         seq_id = self.registry.new_id(seq_id, tenant)
-        hits, last_hash, tokens = self.prefixes.match(token_ids or [], tenant, cache_salt)
+        hits, last_hash, tokens = self.prefixes.match([] if token_ids is None else token_ids, tenant, cache_salt)
         num_cached = len(hits) * self.page_size
         seq = Sequence(seq_id, tenant, -1, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
         self.apply(self.check(plan_new(NewRow(seq, hits, True, num_cached, len(hits), True))))
-        if token_ids:
+        if token_ids is not None and len(token_ids):
             self.stats.prefix_query_tokens += len(token_ids)
             self.stats.prefix_hit_tokens += num_cached
         return seq
@@ -163,7 +163,7 @@ class SequenceTable:
         self,
         seq_id: str,
         num_tokens: int,
-        token_ids: list[int] | None = None,
+        token_ids: TokenIds | None = None,
         data_written: bool = False,
         tenant: str = "",
     ) -> tuple[Sequence, Extension]:

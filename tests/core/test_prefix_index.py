@@ -171,3 +171,10 @@ TestTwins = Twins.TestCase
 TestTwins.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, np.uint64])
+def test_int64_bytes_of_an_array_is_that_of_its_list(dtype: type) -> None:
+    ids = [0, 1, 7, 100, 255]
+    for convert in (pi.int64_bytes, source.int64_bytes):
+        assert convert(np.array(ids, dtype=dtype), 1, 4) == convert(ids, 1, 4) == np.array(ids[1:4], "<i8").tobytes()
