@@ -126,6 +126,8 @@ class SequenceTable:
         cache_salt: str = "",
     ) -> Sequence:
         """A new sequence; with token_ids, it starts on the longest cached run of full pages.
+        Token ids (here and in append) are a list of ints or a 1-D numpy integer array (no per-id
+        conversion: what an engine holding them in numpy passes).
 
         ttl_s > 0 gives it a lease: expire() frees it once ttl_s seconds pass without a call naming it.
         cache_salt (e.g. vLLM's per-request cache_salt) salts the sequence's prefix hashes like the
