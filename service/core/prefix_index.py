@@ -34,10 +34,10 @@ import numpy as np
 
 COMPILED: bool = cython.compiled  # True in the build setup.py compiles, False run as plain Python
 
-DIGEST = cython.declare(cython.Py_ssize_t, 32)
+DIGEST = cython.declare(cython.Py_ssize_t, 32)  # bytes of a SHA-256 digest
 # A page id as a block table holds it (uint32) or as the allocator hands it out (int64): commit()
 # takes either, picking the specialisation by itemsize (as page_ops does).
-page_t = cython.fused_type(cython.uint, cython.longlong)  # bytes of a SHA-256 digest
+page_t = cython.fused_type(cython.uint, cython.longlong)
 # murmur3's 64-bit finaliser constants (probe_hash)
 MIX1 = cython.declare(cython.ulonglong, 0xFF51AFD7ED558CCD)
 MIX2 = cython.declare(cython.ulonglong, 0xC4CEB9FE1A85EC53)
