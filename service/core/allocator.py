@@ -41,6 +41,7 @@ class PageAllocator:
         # SHA-256 preimage of their hash; the keys array comes with the first commit.
         self._table, self._key_hash, self._hashes, self._is_hashed = prefix_index.new_index(num_pages)
         self._keys: np.ndarray | None = None
+        self._seed: np.ndarray | None = None  # the probe hash's secret key (prefix_index.new_seed)
         self.num_evictions = 0
         # Watchers of the prefix cache (KV events, lower tiers): told of every page that enters or
         # leaves the index. Empty by default, and then it costs one truth test per commit/eviction.
@@ -144,16 +145,25 @@ class PageAllocator:
     def match(self, parent: bytes, data: bytes, page_nbytes: int) -> tuple[list[int], bytes]:
         """Committed pages matching the leading full pages of `data` (token bytes), chained from
         `parent`; stops at the first miss. Returns (pages, hash of the last matched page or parent)."""
-        return prefix_index.match(self._table, self._keys, self._key_hash, self._hashes, parent, data, page_nbytes)
+        index = (self._table, self._keys, self._key_hash, self._hashes, self._seed)
+        return prefix_index.match(*index, parent, data, page_nbytes)
 
-    def acquire_cached(self, pages: list[int]) -> None:
-        """Take a reference to each of `pages` (distinct), all returned by match()."""
-        ids = np.asarray(pages, dtype=np.int64)
-        counts = self.ref_count[ids]
-        cached = ids[counts == 0]
-        prefix_index.lru_remove(self._lru, cached)
-        self._num_cached -= len(cached)
-        self.ref_count[ids] = counts + 1
+    def acquire_cached(self, pages: list[int], out: np.ndarray | None = None) -> None:
+        """Take a reference to each of `pages` (distinct), all returned by match(); with `out` (a
+        uint32 block-table row), also write them to out[:len(pages)]."""
+        self._num_cached -= prefix_index.acquire(self._lru, self.ref_count, pages, out)
+
+    def reserve_keys(self, page_nbytes: int) -> None:
+        """Make the index's key array for pages of page_nbytes token bytes (else the first commit
+        does), and touch all of it now: otherwise the first commit into each 4 KiB of it faults the
+        memory in, a microsecond every two keys of 2 KiB on the commit path."""
+        if self._keys is not None:
+            if self._keys.shape[1] != 32 + page_nbytes:
+                raise ValueError(f"pages of {page_nbytes} token bytes; this allocator has {self._keys.shape[1] - 32}")
+            return
+        self._keys = np.empty((self.num_pages, 32 + page_nbytes), dtype=np.uint8)
+        self._keys.fill(0)
+        self._seed = prefix_index.new_seed(32 + page_nbytes)
 
     def commit(
         self,
@@ -170,16 +180,19 @@ class PageAllocator:
         pages[0] is its sequence's first page (`parent` is a chain root), for the listeners.
         """
         if self._keys is None:
-            self._keys = np.zeros((self.num_pages, 32 + page_nbytes), dtype=np.uint8)
+            self.reserve_keys(page_nbytes)
         elif self._keys.shape[1] != 32 + page_nbytes:
             raise ValueError(f"pages of {page_nbytes} token bytes; this allocator has {self._keys.shape[1] - 32}")
-        ids = np.ascontiguousarray(pages, dtype=np.int64)
-        index = (self._table, self._keys, self._key_hash, self._hashes, self._is_hashed)
+        if type(pages) is np.ndarray and pages.dtype == np.uint32 and pages.flags.c_contiguous:
+            ids = pages  # a block-table slice goes as it is; a list or another array as int64
+        else:
+            ids = np.ascontiguousarray(pages, dtype=np.int64)
+        index = (self._table, self._keys, self._key_hash, self._hashes, self._is_hashed, self._seed)
         if not self.listeners:
             return prefix_index.commit(*index, ids, parent, data, page_nbytes)
         before = self._is_hashed[ids]
         last = prefix_index.commit(*index, ids, parent, data, page_nbytes)
-        self._tell_stored(ids, before, parent, bytes(data), page_nbytes, at_root)
+        self._tell_stored(ids.astype(np.int64), before, parent, bytes(data), page_nbytes, at_root)
         return last
 
     def _tell_stored(

@@ -9,6 +9,8 @@ tokens. Tenant names never contain 0x00, so (tenant, salt) pairs cannot collide.
 import hashlib
 import sys
 
+import numpy as np
+
 from service.core import prefix_index
 
 # Sequences keep their token ids in array("q") (native int64) and hash their raw bytes, which equal
@@ -24,10 +26,10 @@ def root_hash(tenant: str, cache_salt: str = "") -> bytes:
     return hashlib.sha256(_ROOT_DOMAIN + tenant.encode() + salt).digest()
 
 
-def token_bytes(token_ids: list[int]) -> bytes:
-    """Token ids as little-endian int64 bytes (what page hashes and the prefix index are over);
-    OverflowError for an id outside int64."""
-    return prefix_index.int64_bytes(token_ids)  # a compiled loop: faster than struct.pack or numpy on a list
+def token_bytes(token_ids: list[int] | np.ndarray, start: int = 0, stop: int = -1) -> bytes:
+    """token_ids[start:stop] (stop -1: to the end) as little-endian int64 bytes (what page hashes
+    and the prefix index are over); OverflowError for an id outside int64."""
+    return prefix_index.int64_bytes(token_ids, start, stop)  # compiled: faster than struct.pack or numpy
 
 
 def page_hash(parent: bytes, page_tokens: bytes) -> bytes:

@@ -29,7 +29,7 @@ from service.core.allocator import PageAllocator
 from service.core.block_tables import BlockTables
 from service.core.errors import InvalidRequest
 from service.core.hashing import token_bytes
-from service.core.records import Extension, Sequence
+from service.core.records import Extension, Sequence, TokenIds
 
 NO_PAGES = np.empty(0, dtype=np.int64)
 
@@ -120,7 +120,7 @@ class Rows:
 @dataclass(slots=True, eq=False)
 class NewRow:
     seq: Sequence  # the new sequence's record; place() gives it its row
-    pages: np.ndarray  # int64 [k]: the pages it starts on, shared
+    pages: np.ndarray | list[int]  # int64 [k]: the pages it starts on, shared (a list for prefix hits)
     from_cache: bool  # prefix hits: some pages may be cached (unreferenced) rather than used
     length: int
     num_hashed: int
@@ -128,18 +128,14 @@ class NewRow:
 
     def place(self, num_new: int, blocks: BlockTables, alloc: PageAllocator) -> Extension:
         row = self.seq.row = blocks.take_row()
-        pages = self.pages
-        if len(pages):  # (a row taken is empty but for tokens_known)
+        pages, num = self.pages, len(self.pages)
+        if num:  # (a row taken is empty but for tokens_known)
             if self.from_cache:
-                alloc.acquire_cached(pages)  # type: ignore[arg-type]  # takes any int sequence
+                alloc.acquire_cached(pages, blocks.tables[row, :num])  # type: ignore[arg-type]  # a list
             else:
-                alloc.retain(pages)
-            blocks.tables[row, : len(pages)] = pages
-            blocks.lengths[row], blocks.num_pages[row], blocks.num_hashed[row] = (
-                self.length,
-                len(pages),
-                self.num_hashed,
-            )
+                alloc.retain(pages)  # type: ignore[arg-type]  # an array
+                blocks.tables[row, :num] = pages
+            blocks.lengths[row], blocks.num_pages[row], blocks.num_hashed[row] = self.length, num, self.num_hashed
         blocks.tokens_known[row] = self.tokens_known
         return Extension(NO_PAGES, [0], [])
 
@@ -233,15 +229,16 @@ def _copy_on_write(
 
 
 # -- token ids: converted and checked while planning, so a bad id fails the whole call ---------------
-def checked_token_bytes(token_ids: list[int]) -> bytes:
-    """token_bytes(), with InvalidRequest for an id that is no int64."""
+def checked_token_bytes(token_ids: TokenIds, start: int = 0, stop: int = -1) -> bytes:
+    """token_bytes(token_ids[start:stop]) (stop -1: to the end), with InvalidRequest for an id that
+    is no int64."""
     try:
-        return token_bytes(token_ids)
+        return token_bytes(token_ids, start, stop)
     except (OverflowError, TypeError) as exc:
         raise InvalidRequest(f"token ids must be int64 integers: {exc}") from None
 
 
-def checked_data(count: int, token_ids: list[int] | None) -> bytes | None:
+def checked_data(count: int, token_ids: TokenIds | None) -> bytes | None:
     """One append's token ids as int64 bytes (None if it has none), or InvalidRequest."""
     _check_count(count)
     if token_ids is None:

@@ -6,3 +6,5 @@ cdef extern from "openssl/sha.h":
     int SHA256_Init(SHA256_CTX *c) nogil
     int SHA256_Update(SHA256_CTX *c, const void *data, size_t len) nogil
     int SHA256_Final(unsigned char *md, SHA256_CTX *c) nogil
+
+from libc.string cimport memcmp, memcpy

@@ -16,7 +16,7 @@ from service.core.allocator import PageAllocator
 from service.core.block_tables import BlockTables
 from service.core.hashing import root_hash
 from service.core.plan import Decode, OneRow, Rows, checked_token_bytes
-from service.core.records import Sequence
+from service.core.records import Sequence, TokenIds
 
 
 class Prefixes:
@@ -27,7 +27,7 @@ class Prefixes:
         self.page_size = blocks.page_size
         self._roots: dict[str, bytes] = {}
 
-    def match(self, token_ids: list[int], tenant: str, cache_salt: str = "") -> tuple[list[int], bytes, "array[int]"]:
+    def match(self, token_ids: TokenIds, tenant: str, cache_salt: str = "") -> tuple[list[int], bytes, "array[int]"]:
         """(cached pages starting the prompt, the hash of the last one, the token ids they hold as
         int64); a hit never covers the last prompt token. The root hash is salted by the tenant and
         the cache salt; tenants' roots are memoised, salts (one per request, typically) are not."""
@@ -41,14 +41,16 @@ class Prefixes:
             return [], root, tokens
         # Convert the first page alone: most prompts miss there, and then the rest needs no bytes.
         size, nbytes = self.page_size, self.page_size * 8
-        data = checked_token_bytes(token_ids[:size])
-        pages, last = self.allocator.match(root, data, nbytes)
+        first = checked_token_bytes(token_ids, 0, size)
+        pages, last = self.allocator.match(root, first, nbytes)
+        if pages:
+            tokens.frombytes(first)  # little-endian int64, as array("q") is here
         if pages and max_hits > 1:
-            rest = checked_token_bytes(token_ids[size : max_hits * size])
+            rest = checked_token_bytes(token_ids, size, max_hits * size)
             more, last = self.allocator.match(last, rest, nbytes)
             pages += more
-            data += rest
-        tokens.frombytes(data[: len(pages) * nbytes])  # little-endian int64, as array("q") is here
+            with memoryview(rest) as view:
+                tokens.frombytes(view[: len(more) * nbytes])
         return pages, last, tokens
 
     def num_cached(self, token_ids: list[int], tenant: str, cache_salt: str = "") -> int:
@@ -105,7 +107,7 @@ class Prefixes:
         start = int(self.blocks.num_hashed[row])
         if num_full <= start:
             return
-        pages = self.blocks.tables[row, start:num_full].astype(np.int64)
+        pages = self.blocks.tables[row, start:num_full]  # (uint32: the allocator takes a row's slice as it is)
         # A view, not a copy; released at once, since an array exporting a buffer cannot grow.
         with memoryview(seq.tokens) as ids, ids.cast("B") as data:
             seq.last_hash = self.allocator.commit(

@@ -3,6 +3,7 @@
 from array import array
 from collections import abc
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import numpy as np
 
@@ -67,3 +68,6 @@ class Stats:
 
 
 Append = tuple[str, int, "list[int] | None"]  # (seq_id, num_tokens, token_ids)
+# Token ids in process: a list of ints, or a 1-D numpy integer array (create and append; converted
+# to int64 bytes as a block, without a Python loop).
+TokenIds: TypeAlias = list[int] | np.ndarray

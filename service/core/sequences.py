@@ -25,7 +25,6 @@ from service.core.allocator import PageAllocator
 from service.core.block_tables import BlockTables
 from service.core.errors import AttendTooLarge, InvalidRequest, OutOfPages, QuotaExceeded
 from service.core.plan import (
-    NO_PAGES,
     NewRow,
     Plan,
     checked_data,
@@ -35,7 +34,7 @@ from service.core.plan import (
     plan_rows,
 )
 from service.core.prefixes import Prefixes
-from service.core.records import Append, Extension, Sequence, Stats, StepResult
+from service.core.records import Append, Extension, Sequence, Stats, StepResult, TokenIds
 from service.core.registry import Registry, check_distinct
 
 __all__ = ["Sequence", "SequenceTable", "Stats", "StepResult"]
@@ -53,6 +52,8 @@ class SequenceTable:
         self.page_size = page_size
         self.sentinel = allocator.num_pages
         self.blocks = BlockTables(self.sentinel, page_size)
+        if allocator.enable_prefix_caching:
+            allocator.reserve_keys(page_size * 8)
         self.clock = clock  # leases: expires_at is on this clock
         self.registry = Registry(clock)
         self.prefixes = Prefixes(allocator, self.blocks, self.registry.of_row)
@@ -119,12 +120,14 @@ class SequenceTable:
     def create(
         self,
         seq_id: str | None = None,
-        token_ids: list[int] | None = None,
+        token_ids: TokenIds | None = None,
         tenant: str = "",
         ttl_s: float = 0.0,
         cache_salt: str = "",
     ) -> Sequence:
         """A new sequence; with token_ids, it starts on the longest cached run of full pages.
+        Token ids (here and in append) are a list of ints or a 1-D numpy integer array (no per-id
+        conversion: what an engine holding them in numpy passes).
 
         ttl_s > 0 gives it a lease: expire() frees it once ttl_s seconds pass without a call naming it.
         cache_salt (e.g. vLLM's per-request cache_salt) salts the sequence's prefix hashes like the
@@ -133,12 +136,11 @@ class SequenceTable:
         if not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise InvalidRequest(f"ttl_s must be a finite number >= 0, not {ttl_s}")
         seq_id = self.registry.new_id(seq_id, tenant)
-        hits, last_hash, tokens = self.prefixes.match(token_ids or [], tenant, cache_salt)
+        hits, last_hash, tokens = self.prefixes.match([] if token_ids is None else token_ids, tenant, cache_salt)
         num_cached = len(hits) * self.page_size
         seq = Sequence(seq_id, tenant, -1, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
-        pages = np.array(hits, dtype=np.int64) if hits else NO_PAGES
-        self.apply(self.check(plan_new(NewRow(seq, pages, True, num_cached, len(hits), True))))
-        if token_ids:
+        self.apply(self.check(plan_new(NewRow(seq, hits, True, num_cached, len(hits), True))))
+        if token_ids is not None and len(token_ids):
             self.stats.prefix_query_tokens += len(token_ids)
             self.stats.prefix_hit_tokens += num_cached
         return seq
@@ -163,7 +165,7 @@ class SequenceTable:
         self,
         seq_id: str,
         num_tokens: int,
-        token_ids: list[int] | None = None,
+        token_ids: TokenIds | None = None,
         data_written: bool = False,
         tenant: str = "",
     ) -> tuple[Sequence, Extension]:

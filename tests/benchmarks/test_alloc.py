@@ -55,8 +55,10 @@ def test_bench_alloc_peers_quick_prints_both_page_sizes_side_by_side() -> None:
         assert [m["label"] for m in rows] == [
             "(a) alloc+free, caching off",
             "(b) misses, vLLM pre-hashed",
+            "misses, kvpool int64 ids",
             "misses, vLLM hashing timed",
             "(c) hits, vLLM pre-hashed",
+            "hits, kvpool int64 ids",
             "hits, vLLM hashing timed",
         ], block
         for m in rows:
@@ -66,8 +68,10 @@ def test_bench_alloc_peers_quick_prints_both_page_sizes_side_by_side() -> None:
                 assert abs(float(m[f"{side}_tok"]) - float(m[side]) * page_size) <= 0.0005 * page_size + 0.05, m[0]
             low, high = (ours - 0.05) / (theirs + 0.05), (ours + 0.05) / (theirs - 0.05)
             assert low - 0.005 <= float(m["ratio"]) <= high + 0.005, m[0]  # kvpool / vLLM, up to the rounding
-        # kvpool hashes inside its timing in every run: both rows of a figure show the same kvpool run
-        assert rows[1]["ours"] == rows[2]["ours"] and rows[3]["ours"] == rows[4]["ours"]
+        # kvpool hashes inside its timing in every run: the pre-hashed and the hashing-timed rows of a
+        # figure show the same kvpool run; the int64-ids row is kvpool's other run against pre-hashed vLLM
+        assert rows[1]["ours"] == rows[3]["ours"] and rows[4]["ours"] == rows[6]["ours"]
+        assert rows[1]["theirs"] == rows[2]["theirs"] and rows[4]["theirs"] == rows[5]["theirs"]
         (step,) = [m for m in map(STEP_ROW.match, lines) if m]
         assert step["target"] == target and _verdict_holds(step), step[0]
         assert float(step["ratio"]) == pytest.approx(float(step["theirs"]) / float(step["ours"]), rel=0.05)

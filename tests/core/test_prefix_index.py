@@ -30,9 +30,28 @@ def test_int64_bytes_rejects_what_does_not_fit(ids: list[object], error: type[Ex
             convert(ids)
 
 
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=12), st.integers(-1, 14), st.integers(-1, 14))
+def test_int64_bytes_of_a_range_is_that_of_the_slice(ids: list[int], start: int, stop: int) -> None:
+    expected = np.array(ids[max(start, 0) : len(ids) if stop < 0 else stop], dtype="<i8").tobytes()
+    for convert in (pi.int64_bytes, source.int64_bytes):
+        assert convert(ids, start, stop) == convert(tuple(ids), start, stop) == expected
+
+
+@given(st.binary(min_size=32, max_size=32), st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=40))
+def test_probe_hash_compiled_is_the_source(parent: bytes, ids: list[int]) -> None:
+    page = np.array(ids, dtype="<i8").tobytes()
+    seed = pi.new_seed(32 + len(page))
+    h = pi.probe_hash(seed, parent, page)
+    assert h == source.probe_hash(seed, parent, page)
+    assert h != pi.probe_hash(pi.new_seed(32 + len(page)), parent, page)  # (fails with odds 2**-64)
+    with pytest.raises(ValueError):
+        pi.probe_hash(seed[:-1], parent, page)
+
+
 def test_bad_arguments_raise_and_register_nothing() -> None:
     table, key_hash, hashes, is_hashed = pi.new_index(4)
     keys = np.zeros((4, 32 + 16), dtype=np.uint8)
+    seed = pi.new_seed(32 + 16)
     root = root_hash("")
     cases = [
         ((np.array([0]), root[:31], bytes(16), 16), ValueError),  # parent is not a hash
@@ -45,7 +64,10 @@ def test_bad_arguments_raise_and_register_nothing() -> None:
     for args, error in cases:
         for commit in (pi.commit, source.commit):
             with pytest.raises(error):
-                commit(table, keys, key_hash, hashes, is_hashed, *args)
+                commit(table, keys, key_hash, hashes, is_hashed, seed, *args)
+    for commit in (pi.commit, source.commit):  # a seed too short for the keys
+        with pytest.raises(ValueError, match="seed"):
+            commit(table, keys, key_hash, hashes, is_hashed, seed[:-1], np.array([0]), root, bytes(16), 16)
     assert not is_hashed.any() and (table == -1).all()  # nothing was registered
     lru = pi.new_lru(4)
     for evict in (pi.evict, source.evict):
@@ -71,7 +93,8 @@ class Twins(RuleBasedStateMachine):
         super().__init__()
         table, key_hash, hashes, is_hashed = pi.new_index(NUM_PAGES)
         keys = np.zeros((NUM_PAGES, 32 + PAGE_NBYTES), dtype=np.uint8)
-        self.arrays = {"c": [table, keys, key_hash, hashes, is_hashed, pi.new_lru(NUM_PAGES)]}
+        seed = pi.new_seed(32 + PAGE_NBYTES)
+        self.arrays = {"c": [table, keys, key_hash, hashes, is_hashed, pi.new_lru(NUM_PAGES), seed]}
         self.arrays["py"] = [a.copy() for a in self.arrays["c"]]
         self.parents = [root_hash(""), root_hash("t")]
         self.in_lru: list[int] = []
@@ -90,13 +113,13 @@ class Twins(RuleBasedStateMachine):
     def commit(self, parent: int, chosen: list[int], data: list[list[int]]) -> None:
         pages = np.array(chosen[: len(data)], dtype=np.int64)
         raw = np.array(data, dtype="<i8").tobytes()
-        last = self.run("commit", [0, 1, 2, 3, 4], pages, self.parents[parent % len(self.parents)], raw, PAGE_NBYTES)
+        last = self.run("commit", [0, 1, 2, 3, 4, 6], pages, self.parents[parent % len(self.parents)], raw, PAGE_NBYTES)
         self.parents.append(last)  # type: ignore[arg-type]
 
     @rule(parent=st.integers(0, 63), data=pages_data)
     def match(self, parent: int, data: list[list[int]]) -> None:
         raw = np.array(data, dtype="<i8").tobytes()
-        found = self.run("match", [0, 1, 2, 3], self.parents[parent % len(self.parents)], raw, PAGE_NBYTES)
+        found = self.run("match", [0, 1, 2, 3, 6], self.parents[parent % len(self.parents)], raw, PAGE_NBYTES)
         self.parents.append(found[1])  # type: ignore[index]
 
     @precondition(lambda self: bool(self.cacheable()))
@@ -131,11 +154,13 @@ class Twins(RuleBasedStateMachine):
 
     @invariant()
     def every_registered_page_is_found_by_its_key(self) -> None:
-        table, keys, key_hash, hashes, is_hashed, lru = self.arrays["c"]
+        table, keys, key_hash, hashes, is_hashed, lru, seed = self.arrays["c"]
         assert sorted(int(p) for p in table if p >= 0) == np.nonzero(is_hashed)[0].tolist()
         for page in np.nonzero(is_hashed)[0].tolist():
             key = keys[page].tobytes()
-            assert pi.match(table, keys, key_hash, hashes, key[:32], key[32:], PAGE_NBYTES) == (
+            parent, tokens = key[:32], key[32:]
+            assert key_hash[page] == pi.probe_hash(seed, parent, tokens) == source.probe_hash(seed, parent, tokens)
+            assert pi.match(table, keys, key_hash, hashes, seed, key[:32], key[32:], PAGE_NBYTES) == (
                 [page],
                 hashlib.sha256(key).digest(),
             )
@@ -146,3 +171,10 @@ TestTwins = Twins.TestCase
 TestTwins.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, np.uint64])
+def test_int64_bytes_of_an_array_is_that_of_its_list(dtype: type) -> None:
+    ids = [0, 1, 7, 100, 255]
+    for convert in (pi.int64_bytes, source.int64_bytes):
+        assert convert(np.array(ids, dtype=dtype), 1, 4) == convert(ids, 1, 4) == np.array(ids[1:4], "<i8").tobytes()

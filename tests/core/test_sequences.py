@@ -638,3 +638,38 @@ def test_the_decode_step_path_equals_the_general_one(seed: int, monkeypatch: pyt
             steps += both(step, appends)
         assert snapshot(fast) == snapshot(general)
     assert steps >= 10
+
+
+# -- token ids as numpy arrays ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16, np.uint64])
+def test_token_id_arrays_do_what_lists_do(dtype: type) -> None:
+    lists, arrays = make_table(), make_table()
+    for t, ids in ((lists, P10), (arrays, np.array(P10, dtype=dtype))):
+        t.create("a", ids[:4])
+        t.append("a", 10, ids, data_written=True)  # (the sequence starts empty: all ten appended)
+        t.free("a")
+        seq = t.create("b", ids)  # hits the two full pages
+        assert seq.cached_tokens == 8
+        t.append("b", 2, ids[8:], data_written=True)
+    assert snapshot(lists) == snapshot(arrays)
+    assert [lists.allocator.page_hash(p) for p in (0, 1)] == prefix_hashes(P10, 4)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        np.array([1.0, 2.0, 3.0, 4.0, 5.0]),  # not integers
+        np.arange(5).reshape(5, 1),  # not 1-D
+        np.array([2**63, 1, 2, 3, 4], dtype=np.uint64),  # outside int64
+    ],
+)
+def test_bad_token_id_arrays_are_invalid_and_change_nothing(ids: np.ndarray) -> None:
+    t = make_table()
+    fill(t, "a", 5, P10[:5])
+    t.create("b")
+    before = snapshot(t)
+    with pytest.raises(InvalidRequest, match="token ids"):
+        t.create("c", ids)
+    with pytest.raises(InvalidRequest, match="token ids"):
+        t.append("b", len(ids), ids)
+    assert snapshot(t) == before

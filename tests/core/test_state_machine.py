@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -78,7 +79,9 @@ class PlanCheckingTable(SequenceTable):
         assert self.tenant_pages(plan.tenant) - held == plan.num_held
         assert self.stats.tokens_appended - tokens == plan.num_tokens == len(ext.slots)
         if isinstance(change, NewRow):
-            assert self.block_table(change.seq) == change.pages.tolist() and plan.num_held == len(change.pages)
+            assert self.block_table(change.seq) == np.asarray(change.pages).tolist() and plan.num_held == len(
+                change.pages
+            )
         return ext
 
 
