@@ -35,6 +35,12 @@ class Settings(BaseSettings):
         description="auto: triton on CUDA, cpu on the CPU (decode of float32 pools compiled, the rest "
         "through the torch reference); torch: the torch reference only",
     )
+    shared_memory: Literal["auto", "memfd", "posix_shm"] = Field(
+        "auto",
+        description="how a CPU pool is shared with frontends: memfd (sealed against resizing, handed over the "
+        "server's Unix socket; Linux), posix_shm (a named /dev/shm segment: the fallback), auto: memfd where "
+        "the system has it",
+    )
     # FP8 pools (dtype float8_e4m3fn): one scale per token, head and group of g channels.
     scale_dtype: ScaleDtype = "float32"
     quant_granularity: int = Field(128, ge=1, le=4096, description="channels per FP8 scale; divides head_dim")

@@ -19,11 +19,11 @@ from multiprocessing import resource_tracker
 import torch
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _tensor_over(buffer: mmap.mmap, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+def tensor_over(buffer: mmap.mmap, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
     # The tensor holds the mmap object (through the buffer protocol) for as long as any view lives.
     flat = torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=offset)
     return flat.view(shape)
@@ -71,7 +71,7 @@ def _shm_available() -> int | None:
 
 def create_shared(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Segment]:
     """A zero-filled tensor in a new segment `/dev/shm/<name>` (fails if the name exists)."""
-    nbytes = max(math.prod(shape) * _itemsize(dtype), 1)
+    nbytes = max(math.prod(shape) * itemsize(dtype), 1)
     available = _shm_available()
     if available is not None and nbytes > available:
         raise _no_room(nbytes, available)
@@ -92,7 +92,7 @@ def create_shared(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tupl
         raise
     finally:
         os.close(fd)
-    return _tensor_over(buffer, shape, dtype), segment
+    return tensor_over(buffer, shape, dtype), segment
 
 
 def open_shared(
@@ -113,5 +113,5 @@ def open_shared(
         buffer = mmap.mmap(fd, offset + nbytes)
     finally:
         os.close(fd)
-    flat = _tensor_over(buffer, (nbytes // _itemsize(dtype),), dtype, offset)
+    flat = tensor_over(buffer, (nbytes // itemsize(dtype),), dtype, offset)
     return flat.as_strided(shape, strides)

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 import service.core
 from service import __version__
 from service.config import Settings
-from service.server.auth import BearerAuth
+from service.server.auth import BearerAuth, ipc_authorizer
 from service.server.errors import install_error_handlers
 from service.server.leases import start_lease_sweeper, stop_lease_sweeper
 from service.server.limits import BodySizeLimit
@@ -43,6 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         log_start(state)
+        state.open_ipc_socket(ipc_authorizer(settings))
         sweeper = start_lease_sweeper(state)
         try:
             yield

@@ -1,6 +1,7 @@
 """Everything one app owns, built once by create_app(), reached through dependency aliases."""
 
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import orjson
@@ -12,6 +13,7 @@ from service.core.allocator import PageAllocator
 from service.core.sequences import Sequence, SequenceTable
 from service.engine.engine import Engine
 from service.engine.storage import Storage
+from service.ipc.fd_socket import FdServer
 
 
 class PoolState:
@@ -22,7 +24,21 @@ class PoolState:
         self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching)
         self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)
+        self.ipc_socket: FdServer | None = None  # memfd pools: where frontends get the descriptors
         self.ready = True
+
+    def open_ipc_socket(self, authorize: Callable[[str | None], None]) -> None:
+        """memfd pools: serve the descriptors on a Unix socket (at app start, closed by close())."""
+        if self.storage.kind == "memfd" and self.ipc_socket is None:
+            fds, keys = self.storage.shared_fds()
+            self.ipc_socket = FdServer(fds, keys, self.instance_id, authorize)
+
+    def ipc_description(self) -> dict[str, Any]:
+        """GET /v1/ipc: the storage's exports, the instance, and for memfd pools the socket to ask."""
+        description = {**self.storage.ipc_description(), "instance_id": self.instance_id}
+        if self.ipc_socket is not None:
+            description["socket"] = self.ipc_socket.path
+        return description
 
     def sequence_body(self, seq: Sequence) -> dict[str, Any]:
         body = {
@@ -38,6 +54,9 @@ class PoolState:
 
     def close(self) -> None:
         self.ready = False
+        if self.ipc_socket is not None:
+            self.ipc_socket.close()
+            self.ipc_socket = None
         self.engine.close()
         self.storage.close()
 
