@@ -87,6 +87,31 @@ class Settings(BaseSettings):
     )
     lease_sweep_interval_s: float = Field(1.0, gt=0, le=3600, allow_inf_nan=False, description="lease sweeper period")
     max_request_bytes: int = Field(64 * 2**20, ge=1024, description="larger request bodies get 413")
+    # -- connections (service/server/connections.py) --------------------------------------------------
+    max_connections: int = Field(
+        4096,
+        ge=1,
+        description="open connections at most (lowered to what the open-file limit leaves); over it the oldest "
+        "connection with no request in flight is closed, or the new one gets 503 when all are busy",
+    )
+    request_head_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="seconds a connection may take to start a request (its head), from connecting or from its "
+        "previous answer; then it is closed",
+    )
+    request_body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="seconds from a request's head to the end of its body; then 408 and the connection is closed",
+    )
+    keep_alive_timeout_s: int = Field(
+        5, ge=1, le=3600, description="seconds an idle keep-alive connection stays open after an answer (uvicorn's)"
+    )
     shutdown_grace_s: float = Field(
         0.0, ge=0, le=3600, allow_inf_nan=False, description="on SIGTERM, seconds /readyz answers 503 before draining"
     )

@@ -1,0 +1,247 @@
+"""Connection limits: slow or idle clients must not hold the server's descriptors forever.
+
+uvicorn (0.30-0.54) offers `timeout_keep_alive` (an idle connection after an answer) and `limit_concurrency`,
+but nothing bounds the time to send a request's head: a connection that sends nothing, or half a head, is held
+forever, and `limit_concurrency` counts those idle connections too, answering 503 to every new client once
+they fill it. So kvpool adds, through public API only (uvicorn's `http=` setting takes a protocol class; this
+one wraps uvicorn's own, it does not subclass it):
+
+- `GuardedConnection`, the protocol uvicorn runs: a head deadline (KVPOOL_REQUEST_HEAD_TIMEOUT_S) from the
+  connection's start or its previous answer to the next request's start, then the connection is closed; and a
+  cap on open connections (KVPOOL_MAX_CONNECTIONS, below the open-file limit): a new connection over it closes
+  the oldest connection with no request in flight, or, when every one is busy, is answered 503
+  `too_many_connections` at once and closed.
+- `RequestDeadline`, a pure ASGI middleware: the body must arrive within KVPOOL_REQUEST_BODY_TIMEOUT_S of the
+  head, or 408 `request_timeout` (and the connection is closed); it also tells the connection when a request
+  starts and ends (a context variable set while uvicorn parses the connection's bytes, inherited by the task
+  uvicorn starts for the request).
+"""
+
+import asyncio
+import contextvars
+import logging
+import os
+import resource
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, cast
+
+import orjson
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.server.errors import error_response
+from service.wire.errors import status_of
+
+log = logging.getLogger("kvpool.connections")
+
+_CURRENT: contextvars.ContextVar["GuardedConnection | None"] = contextvars.ContextVar("kvpool_conn", default=None)
+
+# Descriptors kept free beyond those open at start: the pool's socket, its clients, log files, a little slack.
+RESERVED_FDS = 64
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit; the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20  # macOS reports infinity but refuses it; a million is plenty
+    if soft == resource.RLIM_INFINITY or soft >= hard:
+        return soft if soft != resource.RLIM_INFINITY else hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    except (ValueError, OSError):
+        return soft
+
+
+def open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 32
+
+
+def connection_cap(max_connections: int, fd_limit: int) -> int:
+    """KVPOOL_MAX_CONNECTIONS, lowered to what the open-file limit leaves free (at least 1)."""
+    return max(1, min(max_connections, fd_limit - open_fds() - RESERVED_FDS))
+
+
+def _refusal() -> bytes:
+    body = orjson.dumps(
+        {"error": {"code": "too_many_connections", "message": "every connection is busy: retry in a moment"}}
+    )
+    head = (
+        f"HTTP/1.1 {status_of('too_many_connections')} Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+REFUSAL = _refusal()
+
+
+class ConnectionLimits:
+    """The open connections of one server, oldest first, and what the guard did (counts)."""
+
+    def __init__(self, max_connections: int, head_timeout_s: float) -> None:
+        self.max_connections = max_connections
+        self.head_timeout_s = head_timeout_s
+        self.open: OrderedDict[GuardedConnection, None] = OrderedDict()
+        self.shed = self.refused = self.head_timeouts = 0
+
+    def admit(self, conn: "GuardedConnection") -> bool:
+        if len(self.open) >= self.max_connections:
+            victim = next((c for c in self.open if c.in_flight == 0), None)
+            if victim is None:
+                self.refused += 1
+                return False
+            self.shed += 1
+            self.discard(victim)
+            victim.close()
+        self.open[conn] = None
+        return True
+
+    def discard(self, conn: "GuardedConnection") -> None:
+        self.open.pop(conn, None)
+
+
+class GuardedConnection(asyncio.Protocol):
+    """uvicorn's HTTP protocol (`inner`), with a head deadline and a place under the connection cap."""
+
+    limits: ConnectionLimits
+    inner_class: Callable[..., asyncio.Protocol]
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.inner: Any = self.inner_class(**kwargs)
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.in_flight = 0
+        self.admitted = False
+
+    # -- asyncio.Protocol, forwarded to uvicorn's protocol -----------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # (uvloop's transports do not subclass asyncio's)
+        self.transport = transport
+        if not self.limits.admit(self):
+            transport.write(REFUSAL)
+            transport.close()
+            return
+        self.admitted = True
+        self._arm()
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.admitted:
+            return
+        token = _CURRENT.set(self)  # the request task uvicorn starts in here inherits it
+        try:
+            self.inner.data_received(data)
+        finally:
+            _CURRENT.reset(token)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.admitted else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.limits.discard(self)
+        self._disarm()
+        if self.admitted:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    # -- the head deadline ----------------------------------------------------------------------
+    def _arm(self) -> None:
+        self._disarm()
+        self.timer = asyncio.get_running_loop().call_later(self.limits.head_timeout_s, self._expire)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _expire(self) -> None:
+        self.timer = None
+        if self.in_flight == 0:
+            self.limits.head_timeouts += 1
+            self.close()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def request_started(self) -> None:
+        self.in_flight += 1
+        self._disarm()
+
+    def request_finished(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self.transport is not None and not self.transport.is_closing():
+            self._arm()  # the next request's head (uvicorn's keep-alive timeout may close it sooner)
+
+
+def guarded_protocol(limits: ConnectionLimits, inner: Callable[..., asyncio.Protocol]) -> type[asyncio.Protocol]:
+    """The protocol class for uvicorn.Config(http=...): `inner` (uvicorn's own) under `limits`."""
+    return type("GuardedHTTP", (GuardedConnection,), {"limits": limits, "inner_class": inner})
+
+
+class BodyTimeout(HTTPException):
+    """Raised from receive() when the body is late: the error handlers answer 408 and close the connection."""
+
+    def __init__(self, timeout_s: float) -> None:
+        message = f"the request body did not arrive within KVPOOL_REQUEST_BODY_TIMEOUT_S={timeout_s:g} seconds"
+        super().__init__(status_of("request_timeout"), message, headers={"Connection": "close"})
+
+
+class RequestDeadline:
+    """Pure ASGI middleware: the body within `body_timeout_s` of the head; tells the connection's guard when a
+    request starts and ends."""
+
+    def __init__(self, app: ASGIApp, body_timeout_s: float) -> None:
+        self.app = app
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        guard = _CURRENT.get()
+        if guard is not None:
+            guard.request_started()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
+        body_done = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:  # later receives wait for a disconnect: no deadline on those
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                raise BodyTimeout(self.body_timeout_s) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, timed_receive, tracking_send)
+        except BodyTimeout as exc:
+            # Only when the body was read outside FastAPI's error handling (e.g. by another middleware).
+            if started:
+                raise
+            await error_response(exc.status_code, "request_timeout", exc.detail, exc.headers)(scope, receive, send)
+        finally:
+            if guard is not None:
+                guard.request_finished()
