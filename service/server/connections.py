@@ -79,6 +79,7 @@ def _refusal() -> bytes:
 
 
 REFUSAL = _refusal()
+REFUSAL_LINGER_S = 1.0
 
 
 class ConnectionLimits:
@@ -124,8 +125,13 @@ class GuardedConnection(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)  # (uvloop's transports do not subclass asyncio's)
         self.transport = transport
         if not self.limits.admit(self):
+            # Answer at once, then half-close; closing with the request still unread would make the kernel
+            # reset the connection, and the client could lose the answer. Closed when the client closes, or
+            # after REFUSAL_LINGER_S at most.
             transport.write(REFUSAL)
-            transport.close()
+            if transport.can_write_eof():
+                transport.write_eof()
+            self.timer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.close)
             return
         self.admitted = True
         self._arm()
@@ -141,7 +147,11 @@ class GuardedConnection(asyncio.Protocol):
             _CURRENT.reset(token)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.admitted else None
+        if not self.admitted:
+            self.close()
+            return None
+        result: bool | None = self.inner.eof_received()
+        return result
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.limits.discard(self)
