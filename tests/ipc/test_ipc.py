@@ -200,7 +200,7 @@ def test_sigint_unlinks_the_segment(start_server: Any) -> None:
 
 
 def test_segment_is_reclaimed_even_after_sigkill(start_server: Any) -> None:
-    """The resource tracker (a separate process) unlinks what a killed server left registered."""
+    """The watchdog (a separate process) unlinks what a killed server left registered."""
     server = start_server(POSIX_SHM)
     segment = _segment_of(server)
     server.stop(signal.SIGKILL)
