@@ -41,6 +41,12 @@ class Settings(BaseSettings):
         "server's Unix socket; Linux), posix_shm (a named /dev/shm segment: the fallback), auto: memfd where "
         "the system has it",
     )
+    ipc_socket_dir: str = Field(
+        "",
+        description="memfd pools: the directory for the socket that hands out the pool's descriptor (a private "
+        "subdirectory is made in it); empty: $XDG_RUNTIME_DIR or the temporary directory. Frontends in other "
+        "containers need it on a volume they share",
+    )
     # FP8 pools (dtype float8_e4m3fn): one scale per token, head and group of g channels.
     scale_dtype: ScaleDtype = "float32"
     quant_granularity: int = Field(128, ge=1, le=4096, description="channels per FP8 scale; divides head_dim")

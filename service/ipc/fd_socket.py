@@ -57,9 +57,10 @@ class FdServer:
         keys: list[str],
         instance_id: str,
         authorize: Callable[[str | None], None],
+        parent: str | None = None,
     ) -> None:
         self.fds, self.keys, self.instance_id, self.authorize = fds, keys, instance_id, authorize
-        self.directory = tempfile.mkdtemp(prefix="kvpool-", dir=runtime_dir())  # mode 0700
+        self.directory = tempfile.mkdtemp(prefix="kvpool-", dir=parent or runtime_dir())  # mode 0700
         self.path = os.path.join(self.directory, "ipc.sock")
         outer = self
 

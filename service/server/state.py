@@ -31,7 +31,8 @@ class PoolState:
         """memfd pools: serve the descriptors on a Unix socket (at app start, closed by close())."""
         if self.storage.kind == "memfd" and self.ipc_socket is None:
             fds, keys = self.storage.shared_fds()
-            self.ipc_socket = FdServer(fds, keys, self.instance_id, authorize)
+            parent = self.settings.ipc_socket_dir or None
+            self.ipc_socket = FdServer(fds, keys, self.instance_id, authorize, parent)
 
     def ipc_description(self) -> dict[str, Any]:
         """GET /v1/ipc: the storage's exports, the instance, and for memfd pools the socket to ask."""

@@ -1,6 +1,7 @@
 """Hostile and slow clients for the chaos checks: raw sockets that hold connections, and timed fresh requests."""
 
 import json
+import math
 import os
 import resource
 import socket
@@ -148,5 +149,6 @@ def request(port: int, method: str, path: str, body: Any = None, timeout: float 
 
 
 def percentile(values: list[float], q: float) -> float:
+    """Nearest rank: p99 of 100 values is the 99th smallest."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]

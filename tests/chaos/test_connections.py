@@ -27,7 +27,7 @@ from tests.chaos.conn_helpers import (
 HELD = 2000
 
 
-def measure(port: int, healthz: int = 100, steps: int = 30) -> dict[str, list[float]]:
+def measure(port: int, healthz: int = 100, steps: int = 100) -> dict[str, list[float]]:
     """Fresh connections, one request each: /healthz, and a one-token step of sequence `m`."""
     times: dict[str, list[float]] = {"healthz": [], "step": []}
     for _ in range(healthz):

@@ -147,3 +147,14 @@ def test_a_receiver_cannot_resize_the_pool(keyed_server: Server) -> None:
         torch.testing.assert_close(out.double(), dense_attention(q, k[0], v[0]), atol=1e-5, rtol=1e-5)
         client.free("after")
         assert client.pool()["instance_id"] == ipc_of(keyed_server)["instance_id"]
+
+
+def test_the_socket_directory_can_be_chosen(start_server: Any, tmp_path: Path) -> None:
+    """KVPOOL_IPC_SOCKET_DIR: a volume shared with frontends in other containers."""
+    server = start_server({"KVPOOL_IPC_SOCKET_DIR": str(tmp_path)})
+    path = Path(server.client.get("/v1/ipc").json()["socket"])
+    assert path.parent.parent == tmp_path and path.is_socket()
+    with KVPoolClient(server.url) as client, client.attach() as pool:
+        assert pool.kind == "memfd"
+    server.stop()
+    assert list(tmp_path.iterdir()) == []
