@@ -12,8 +12,10 @@ import os
 import shutil
 import socket
 import socketserver
+import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +32,37 @@ def runtime_dir() -> str | None:
     if path and os.path.isdir(path) and os.access(path, os.W_OK):
         return path
     return None
+
+
+def remove_stale(parent: str, min_age_s: float = 10.0) -> list[str]:
+    """Remove the socket directories of servers that died without closing (a kill): ours, `kvpool-*`, holding
+    only `ipc.sock`, which refuses connections and is older than `min_age_s` (a socket that a starting server
+    has bound but not yet listens on refuses too, for a moment). Returns the directories removed."""
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith("kvpool-")]
+    except OSError:
+        return removed
+    for name in names:
+        directory = os.path.join(parent, name)
+        path = os.path.join(directory, "ipc.sock")
+        try:
+            info = os.lstat(directory)
+            if info.st_uid != os.getuid() or os.listdir(directory) != ["ipc.sock"]:
+                continue
+            sock_info = os.lstat(path)
+            if not stat.S_ISSOCK(sock_info.st_mode) or time.time() - sock_info.st_mtime < min_age_s:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                probe.connect(path)
+            continue  # a live server
+        except ConnectionRefusedError:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+        except OSError:
+            continue
+    return removed
 
 
 def _read_line(conn: socket.socket) -> bytes:
@@ -60,7 +93,9 @@ class FdServer:
         parent: str | None = None,
     ) -> None:
         self.fds, self.keys, self.instance_id, self.authorize = fds, keys, instance_id, authorize
-        self.directory = tempfile.mkdtemp(prefix="kvpool-", dir=parent or runtime_dir())  # mode 0700
+        parent = parent or runtime_dir() or tempfile.gettempdir()
+        remove_stale(parent)
+        self.directory = tempfile.mkdtemp(prefix="kvpool-", dir=parent)  # mode 0700
         self.path = os.path.join(self.directory, "ipc.sock")
         outer = self
 

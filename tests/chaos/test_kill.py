@@ -127,3 +127,22 @@ def test_the_fallback_segment_can_be_truncated_which_is_why_memfd_is_the_default
         assert server.client.get("/healthz").status_code == 200
     finally:
         server.stop()
+
+
+def test_the_next_server_removes_a_killed_servers_socket(tmp_path: Path) -> None:
+    """A kill leaves the empty socket file; the next server started in the same place removes it (once it is a
+    few seconds old: a socket being set up refuses connections for a moment too)."""
+    env = {"KVPOOL_IPC_SOCKET_DIR": str(tmp_path)}
+    first, _ = start(env)
+    stale = Path(first.client.get("/v1/ipc").json()["socket"])
+    kill(first, "SIGKILL")
+    assert stale.is_socket()
+    old = time.time() - 60
+    os.utime(stale, (old, old), follow_symlinks=False)
+    second, _ = start(env)
+    try:
+        live = Path(second.client.get("/v1/ipc").json()["socket"])
+        assert not stale.parent.exists() and [p.name for p in tmp_path.iterdir()] == [live.parent.name]
+    finally:
+        second.stop()
+    assert list(tmp_path.iterdir()) == []
