@@ -87,6 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
         proxy_headers=False,
         http=guarded_protocol(limits, AutoHTTPProtocol),  # uvicorn's own (httptools or h11), with limits
         timeout_keep_alive=settings.keep_alive_timeout_s,
+        ws="none",  # no WebSocket routes: an upgrade would move the connection out of the guard's sight
     )
     serve(config, app.state.pool, settings.shutdown_grace_s)  # SIGTERM: /readyz 503, drain, exit 0
     return 0
