@@ -160,10 +160,12 @@ class GuardedConnection(asyncio.Protocol):
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if self.admitted:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if self.admitted:
+            self.inner.resume_writing()
 
     # -- the head deadline ----------------------------------------------------------------------
     def _arm(self) -> None:
