@@ -93,7 +93,7 @@ class FdServer:
         parent: str | None = None,
     ) -> None:
         self.fds, self.keys, self.instance_id, self.authorize = fds, keys, instance_id, authorize
-        parent = parent or runtime_dir() or tempfile.gettempdir()
+        parent = os.path.abspath(parent or runtime_dir() or tempfile.gettempdir())  # clients run elsewhere
         remove_stale(parent)
         self.directory = tempfile.mkdtemp(prefix="kvpool-", dir=parent)  # mode 0700
         self.path = os.path.join(self.directory, "ipc.sock")

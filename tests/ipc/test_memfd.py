@@ -6,6 +6,7 @@ descriptor either way); a second process that received it can write pages but ne
 file (EPERM), and the server keeps serving after the attempt.
 """
 
+import asyncio
 import json
 import os
 import socket
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.client import KVPoolClient
+from service.client import AsyncKVPoolClient, KVPoolClient
 from service.core.errors import Forbidden, Unauthorized
 from service.ipc.fd_socket import receive_fds
 from tests.conftest import REPO, SMALL_POOL, Server
@@ -158,3 +159,14 @@ def test_the_socket_directory_can_be_chosen(start_server: Any, tmp_path: Path) -
         assert pool.kind == "memfd"
     server.stop()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_async_client_attaches_with_its_key(keyed_server: Server) -> None:
+    async def attach(key: str) -> str:
+        async with AsyncKVPoolClient(keyed_server.url, api_key=key) as client:
+            with await client.attach() as pool:
+                return f"{pool.kind} {pool.blocks.shape[0]}"
+
+    assert asyncio.run(attach(A)) == "memfd 17"
+    with pytest.raises(Forbidden):
+        asyncio.run(attach(B))
