@@ -12,7 +12,7 @@ import service.core
 from service import __version__
 from service.config import Settings
 from service.server.auth import BearerAuth, ipc_authorizer
-from service.server.connections import RequestDeadline
+from service.server.deadlines import RequestDeadline
 from service.server.errors import install_error_handlers
 from service.server.leases import start_lease_sweeper, stop_lease_sweeper
 from service.server.limits import BodySizeLimit

@@ -11,15 +11,14 @@ one wraps uvicorn's own, it does not subclass it):
   cap on open connections (KVPOOL_MAX_CONNECTIONS, below the open-file limit): a new connection over it closes
   the oldest connection with no request in flight, or, when every one is busy, is answered 503
   `too_many_connections` at once and closed.
-- `RequestDeadline`, a pure ASGI middleware: the body must arrive within KVPOOL_REQUEST_BODY_TIMEOUT_S of the
-  head, or 408 `request_timeout` (and the connection is closed); it also tells the connection when a request
-  starts and ends (a context variable set while uvicorn parses the connection's bytes, inherited by the task
-  uvicorn starts for the request).
+- `RequestDeadline` (service/server/deadlines.py), a pure ASGI middleware: the body must arrive within
+  KVPOOL_REQUEST_BODY_TIMEOUT_S of the head, or 408 `request_timeout`; it also tells the connection when a
+  request starts and ends (current_connection(): a context variable set while uvicorn parses the connection's
+  bytes, inherited by the task uvicorn starts for the request).
 """
 
 import asyncio
 import contextvars
-import logging
 import os
 import resource
 from collections import OrderedDict
@@ -27,14 +26,16 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import orjson
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.wire.errors import status_of
 
-log = logging.getLogger("kvpool.connections")
-
 _CURRENT: contextvars.ContextVar["GuardedConnection | None"] = contextvars.ContextVar("kvpool_conn", default=None)
+
+
+def current_connection() -> "GuardedConnection | None":
+    """The guarded connection whose bytes started the running request (None outside the guard)."""
+    return _CURRENT.get()
+
 
 # Descriptors kept free beyond those open at start: the pool's socket, its clients, log files, a little slack.
 RESERVED_FDS = 64
@@ -208,96 +209,3 @@ class GuardedConnection(asyncio.Protocol):
 def guarded_protocol(limits: ConnectionLimits, inner: Callable[..., asyncio.Protocol]) -> type[asyncio.Protocol]:
     """The protocol class for uvicorn.Config(http=...): `inner` (uvicorn's own) under `limits`."""
     return type("GuardedHTTP", (GuardedConnection,), {"limits": limits, "inner_class": inner})
-
-
-class BodyTimeout(HTTPException):
-    """Raised from receive() when the body is late: the error handlers answer 408 and close the connection."""
-
-    def __init__(self, timeout_s: float) -> None:
-        message = f"the request body did not arrive within KVPOOL_REQUEST_BODY_TIMEOUT_S={timeout_s:g} seconds"
-        super().__init__(status_of("request_timeout"), message, headers={"Connection": "close"})
-
-
-class _BodyWait:
-    """A request waiting in receive() for its body, and by when it must have it."""
-
-    __slots__ = ("deadline", "expired", "task")
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-        self.expired = False
-        self.task: asyncio.Task[Any] | None = None
-
-
-class RequestDeadline:
-    """Pure ASGI middleware: the body within `body_timeout_s` of the head; tells the connection's guard when a
-    request starts and ends.
-
-    A request waiting for its body is cancelled by a sweep that runs every sweep_interval() while any request
-    waits (rather than a timer per request, or asyncio.wait_for, a task per receive: ~4-10 us each), and the
-    cancellation becomes the 408.
-    """
-
-    def __init__(self, app: ASGIApp, body_timeout_s: float) -> None:
-        self.app = app
-        self.body_timeout_s = body_timeout_s
-        self.interval = sweep_interval(body_timeout_s)
-        self.waiting: set[_BodyWait] = set()
-        self._sweep: asyncio.TimerHandle | None = None
-        self._sweep_loop: asyncio.AbstractEventLoop | None = None
-
-    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._sweep is None or self._sweep_loop is not loop:  # (an app may serve several loops in turn)
-            self._sweep, self._sweep_loop = loop.call_later(self.interval, self.sweep, loop), loop
-
-    def sweep(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._sweep = None
-        now = loop.time()
-        for wait in [w for w in self.waiting if w.deadline <= now and not w.expired]:
-            wait.expired = True
-            if wait.task is not None:
-                wait.task.cancel()
-        if self.waiting:
-            self._schedule(loop)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        guard = _CURRENT.get()
-        if guard is not None:
-            guard.request_started()
-        loop = asyncio.get_running_loop()
-        wait = _BodyWait(loop.time() + self.body_timeout_s)
-        body_done = False
-
-        async def timed_receive() -> Message:
-            nonlocal body_done
-            if body_done:  # later receives wait for a disconnect: no deadline on those
-                return await receive()
-            if wait.expired or loop.time() >= wait.deadline:
-                raise BodyTimeout(self.body_timeout_s)
-            wait.task = asyncio.current_task()
-            self.waiting.add(wait)
-            self._schedule(loop)
-            try:
-                message = await receive()
-            except asyncio.CancelledError:
-                if not wait.expired:
-                    raise
-                if wait.task is not None and hasattr(wait.task, "uncancel"):
-                    wait.task.uncancel()  # (Python >= 3.11) this cancellation is spent: it became the 408
-                raise BodyTimeout(self.body_timeout_s) from None
-            finally:
-                self.waiting.discard(wait)
-                wait.task = None
-            body_done = message["type"] != "http.request" or not message.get("more_body", False)
-            return message
-
-        # The body is read by the endpoints (service/server/bodies.py), inside FastAPI's error handling, which
-        # answers BodyTimeout, an HTTPException, with 408 and `Connection: close`.
-        try:
-            await self.app(scope, timed_receive, send)
-        finally:
-            if guard is not None:
-                guard.request_finished()
