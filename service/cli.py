@@ -65,8 +65,16 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"kvpool: cannot start: {exc}", file=sys.stderr)
         return 2
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from service.server.connections import ConnectionLimits, connection_cap, guarded_protocol, raise_open_file_limit
     from service.server.shutdown import serve
 
+    fd_limit = raise_open_file_limit()  # a soft limit of 1,024 is common, and each connection holds one
+    limits = ConnectionLimits(connection_cap(settings.max_connections, fd_limit), settings.request_head_timeout_s)
+    logging.getLogger("kvpool.connections").info(
+        "at most %d connections (open-file limit %d)", limits.max_connections, fd_limit
+    )
     # No proxy headers: nothing here reads the client's address (there is no access log), and
     # uvicorn's X-Forwarded-For middleware would be one more layer on every request.
     config = uvicorn.Config(
@@ -77,6 +85,9 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=False,
         proxy_headers=False,
+        http=guarded_protocol(limits, AutoHTTPProtocol),  # uvicorn's own (httptools or h11), with limits
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        ws="none",  # no WebSocket routes: an upgrade would move the connection out of the guard's sight
     )
     serve(config, app.state.pool, settings.shutdown_grace_s)  # SIGTERM: /readyz 503, drain, exit 0
     return 0

@@ -35,6 +35,18 @@ class Settings(BaseSettings):
         description="auto: triton on CUDA, cpu on the CPU (decode of float32 pools compiled, the rest "
         "through the torch reference); torch: the torch reference only",
     )
+    shared_memory: Literal["auto", "memfd", "posix_shm"] = Field(
+        "auto",
+        description="how a CPU pool is shared with frontends: memfd (sealed against resizing, handed over the "
+        "server's Unix socket; Linux), posix_shm (a named /dev/shm segment: the fallback), auto: memfd where "
+        "the system has it",
+    )
+    ipc_socket_dir: str = Field(
+        "",
+        description="memfd pools: the directory for the socket that hands out the pool's descriptor (a private "
+        "subdirectory is made in it); empty: $XDG_RUNTIME_DIR or the temporary directory. Frontends in other "
+        "containers need it on a volume they share",
+    )
     # FP8 pools (dtype float8_e4m3fn): one scale per token, head and group of g channels.
     scale_dtype: ScaleDtype = "float32"
     quant_granularity: int = Field(128, ge=1, le=4096, description="channels per FP8 scale; divides head_dim")
@@ -87,6 +99,31 @@ class Settings(BaseSettings):
         description="attention work one attend may ask for: the sum over its sequences of queries x context "
         "tokens; more is refused with 422 attend_too_large before any work. 0: by device, 2**22 on the CPU "
         "(a 2,048-token prompt prefilled in one call), 2**36 on CUDA (a 262,144-token one)",
+    )
+    # -- connections (service/server/connections.py) --------------------------------------------------
+    max_connections: int = Field(
+        4096,
+        ge=1,
+        description="open connections at most (lowered to what the open-file limit leaves); over it the oldest "
+        "connection with no request in flight is closed, or the new one gets 503 when all are busy",
+    )
+    request_head_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="seconds a connection may take to start a request (its head), from connecting or from its "
+        "previous answer; then it is closed",
+    )
+    request_body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="seconds from a request's head to the end of its body; then 408 and the connection is closed",
+    )
+    keep_alive_timeout_s: int = Field(
+        5, ge=1, le=3600, description="seconds an idle keep-alive connection stays open after an answer (uvicorn's)"
     )
     shutdown_grace_s: float = Field(
         0.0, ge=0, le=3600, allow_inf_nan=False, description="on SIGTERM, seconds /readyz answers 503 before draining"

@@ -46,13 +46,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class Server:
     """A `kvpool serve` subprocess (the same entry point as the console script) and an httpx client."""
 
-    def __init__(self, env: dict[str, str], args: list[str] | None = None) -> None:
+    def __init__(self, env: dict[str, str], args: list[str] | None = None, **popen: Any) -> None:
+        """`popen`: more subprocess.Popen arguments (e.g. start_new_session, preexec_fn)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
         cmd = [sys.executable, "-m", "service", "serve", "--port", str(self.port), "--log-level", "warning"]
         self.proc = subprocess.Popen(
-            [*cmd, *(args or [])], env=full_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            [*cmd, *(args or [])], env=full_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen
         )
         self.client = httpx.Client(base_url=self.url, timeout=60)
         self.output = ""

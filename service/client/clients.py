@@ -13,6 +13,7 @@ itself (see service/ipc/attach.py) so K/V never has to travel as JSON.
         out = client.attend(0, ["s1"], q, q_lens=[5])
 """
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from service.ipc.attach import AttachedPool
 class _Base:
     def __init__(self, base_url: str, api_key: str | None) -> None:
         self.base_url = base_url
+        self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -102,8 +104,8 @@ class KVPoolClient(_Base):
         return self._run(Calls.get("/readyz"))
 
     def attach(self) -> AttachedPool:
-        """Map the pool into this process (shared memory, or a CUDA IPC handle on a GPU)."""
-        return AttachedPool(self.ipc())
+        """Map the pool into this process (a sealed memfd or shared memory, or a CUDA IPC handle on a GPU)."""
+        return AttachedPool(self.ipc(), self.api_key)
 
     def check_attached(self, pool: AttachedPool) -> None:
         """Raise PoolLost if the server no longer serves the pool `pool` mapped."""
@@ -192,8 +194,10 @@ class AsyncKVPoolClient(_Base):
         return await self._run(Calls.get("/readyz"))
 
     async def attach(self) -> AttachedPool:
-        """Map the pool into this process (shared memory, or a CUDA IPC handle on a GPU)."""
-        return AttachedPool(await self.ipc())
+        """Map the pool into this process (a sealed memfd or shared memory, or a CUDA IPC handle on a GPU)."""
+        description = await self.ipc()
+        # The memfd's descriptors come over a local socket: quick, but blocking.
+        return await asyncio.to_thread(AttachedPool, description, self.api_key)
 
     async def check_attached(self, pool: AttachedPool) -> None:
         """Raise PoolLost if the server no longer serves the pool `pool` mapped."""

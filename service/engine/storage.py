@@ -1,8 +1,10 @@
 """The pool tensor: blocks[num_pages + 1, 2, num_layers, page_size, num_kv_heads, head_dim].
 
-Every pool tensor is shareable from the start: on the CPU it lives in a POSIX shared-memory
-segment `/dev/shm/kvpool-<instance>-<key>` that other processes map; on CUDA it is exported once as
-a CUDA IPC handle. `ipc_description()` is what `GET /v1/ipc` serves.
+Every pool tensor is shareable from the start. On the CPU it lives in a sealed memfd (Linux; its
+descriptor goes to other processes over the server's Unix-domain socket, service/ipc/fd_socket.py), or,
+where memfd is missing or KVPOOL_SHARED_MEMORY=posix_shm, in a POSIX shared-memory segment
+`/dev/shm/kvpool-<instance>-<key>` that other processes open by name; on CUDA it is exported once as a
+CUDA IPC handle. `ipc_description()` is what `GET /v1/ipc` serves.
 """
 
 import uuid
@@ -13,6 +15,7 @@ import torch
 
 from service.config import Settings
 from service.ipc.cuda_ipc import check_exportable, export_cuda
+from service.ipc.memfd import SealedFile, create_sealed, memfd_available
 from service.ipc.shm import Segment, create_shared
 from service.wire.dtypes import DTYPES, StoredDtype
 
@@ -52,6 +55,20 @@ def _unlink_all(segments: list[Segment]) -> None:
         segment.unlink()
 
 
+def _close_all(files: list[SealedFile]) -> None:
+    for file in files:
+        file.close()
+
+
+def shared_memory_kind(setting: str) -> str:
+    """KVPOOL_SHARED_MEMORY (auto | memfd | posix_shm) -> the kind of a CPU pool."""
+    if setting == "posix_shm" or (setting == "auto" and not memfd_available()):
+        return "posix_shm"
+    if not memfd_available():
+        raise RuntimeError("KVPOOL_SHARED_MEMORY=memfd but this system cannot create a sealed memfd")
+    return "memfd"
+
+
 class Storage:
     """Owns the pool tensors. Page `num_pages` (the null page) stays zero for the process's life."""
 
@@ -60,10 +77,12 @@ class Storage:
         self.dtype = DTYPES[settings.dtype].torch
         # 16 hex digits keep segment names within macOS's 31-character limit.
         self.name_prefix = f"kvpool-{(instance_id or uuid.uuid4().hex)[:16]}"
-        self.kind = "cuda_ipc" if self.device.type == "cuda" else "posix_shm"
+        self.kind = "cuda_ipc" if self.device.type == "cuda" else shared_memory_kind(settings.shared_memory)
         self.segments: list[Segment] = []
+        self.files: list[SealedFile] = []  # memfd: their descriptors, in the order of self._exports
         # Unlinks on garbage collection and at interpreter exit: the backstop for close().
         self._finalizer = weakref.finalize(self, _unlink_all, self.segments)
+        self._fd_finalizer = weakref.finalize(self, _close_all, self.files)
         self._exports: dict[str, dict[str, Any]] = {}
         if self.kind == "cuda_ipc":
             check_exportable()
@@ -77,10 +96,14 @@ class Storage:
     def allocate(self, key: str, shape: tuple[int, ...], dtype_name: StoredDtype) -> torch.Tensor:
         """A zero-filled pool tensor on the device, exported under `key` in ipc_description()."""
         dtype = DTYPES[dtype_name].torch
-        if self.kind == "posix_shm":
+        if self.kind == "memfd":
+            tensor, file = create_sealed(f"{self.name_prefix}-{key}", shape, dtype)
+            handle: dict[str, Any] = {"fd_index": len(self.files), "offset": 0, "nbytes": file.nbytes}
+            self.files.append(file)
+        elif self.kind == "posix_shm":
             tensor, segment = allocate_shared(f"{self.name_prefix}-{key}", shape, dtype)
             self.segments.append(segment)
-            handle: dict[str, Any] = {"name": segment.name, "offset": 0, "nbytes": segment.nbytes}
+            handle = {"name": segment.name, "offset": 0, "nbytes": segment.nbytes}
         else:
             tensor = torch.zeros(shape, dtype=dtype, device=self.device)
             handle = export_cuda(tensor)
@@ -96,6 +119,12 @@ class Storage:
         """{"kind", <key>: {"dtype", "shape", "strides" (elements), "handle"}} for every pool tensor."""
         return {"kind": self.kind, **self._exports}
 
+    def shared_fds(self) -> tuple[list[int], list[str]]:
+        """memfd pools: the descriptors other processes receive, and the pool tensors they hold."""
+        keys = [key for key, spec in self._exports.items() if "fd_index" in spec["handle"]]
+        return [file.fd for file in self.files], keys
+
     def close(self) -> None:
-        """Unlink the shared segments (idempotent); the memory goes when the last mapping does."""
+        """Unlink the shared segments, close the memfds (idempotent); the memory goes when the last mapping does."""
         _unlink_all(self.segments)
+        _close_all(self.files)

@@ -1,5 +1,10 @@
-"""The pool mapped into a client process: a torch view of `blocks` and K/V writes at served slots."""
+"""The pool mapped into a client process: a torch view of `blocks` and K/V writes at served slots.
 
+From `GET /v1/ipc`'s description: a memfd pool's descriptors are asked for on the server's Unix socket
+(with the client's API key), a posix_shm pool's segment is opened by name, a CUDA pool's handle is opened.
+"""
+
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -7,6 +12,8 @@ import torch
 
 from service.core.errors import KVPoolError
 from service.ipc.cuda_ipc import open_cuda
+from service.ipc.fd_socket import receive_fds
+from service.ipc.memfd import map_sealed
 from service.ipc.shm import open_shared
 from service.wire.dtypes import DTYPES
 
@@ -17,10 +24,13 @@ class PoolLost(KVPoolError):
     code = "pool_lost"
 
 
-def open_tensor(kind: str, spec: dict[str, Any]) -> torch.Tensor:
-    """A view of one exported pool tensor, from its entry in GET /v1/ipc."""
+def open_tensor(kind: str, spec: dict[str, Any], fds: Sequence[int] = ()) -> torch.Tensor:
+    """A view of one exported pool tensor, from its entry in GET /v1/ipc (memfd: and the received `fds`)."""
     dtype = DTYPES[spec["dtype"]].torch
     handle = spec["handle"]
+    if kind == "memfd":
+        fd = fds[handle["fd_index"]]
+        return map_sealed(fd, handle["offset"], handle["nbytes"], dtype, spec["shape"], spec["strides"])
     if kind == "posix_shm":
         return open_shared(handle["name"], handle["offset"], handle["nbytes"], dtype, spec["shape"], spec["strides"])
     if kind == "cuda_ipc":
@@ -40,14 +50,32 @@ def _flat_slots(slots: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor) -
     return torch.tensor(flat, dtype=torch.int64)
 
 
-class AttachedPool:
-    """blocks: [num_pages + 1, 2, num_layers, page_size, num_kv_heads, head_dim], shared with the server."""
+def receive_pool_fds(description: dict[str, Any], api_key: str | None) -> list[int]:
+    """memfd pools: the descriptors, from the socket GET /v1/ipc names (401/403 as that route)."""
+    answer, fds = receive_fds(description["socket"], api_key)
+    if answer["instance_id"] != description["instance_id"]:
+        for fd in fds:
+            os.close(fd)
+        raise PoolLost(f"the socket serves pool {answer['instance_id']}, not {description['instance_id']}")
+    return fds
 
-    def __init__(self, description: dict[str, Any]) -> None:
+
+class AttachedPool:
+    """blocks: [num_pages + 1, 2, num_layers, page_size, num_kv_heads, head_dim], shared with the server.
+
+    `api_key`: memfd pools only, the key the server's socket checks (that of the HTTP client).
+    """
+
+    def __init__(self, description: dict[str, Any], api_key: str | None = None) -> None:
         self.kind: str = description["kind"]
         self.instance_id: str = description["instance_id"]
         self.description = description
-        self.blocks: torch.Tensor = open_tensor(self.kind, description["blocks"])
+        fds = receive_pool_fds(description, api_key) if self.kind == "memfd" else []
+        try:
+            self.blocks: torch.Tensor = open_tensor(self.kind, description["blocks"], fds)
+        finally:
+            for fd in fds:  # the mapping keeps the memory
+                os.close(fd)
         self.num_pages = self.blocks.shape[0] - 1
         self.page_size = self.blocks.shape[3]
 

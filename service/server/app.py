@@ -11,7 +11,8 @@ from fastapi import FastAPI
 import service.core
 from service import __version__
 from service.config import Settings
-from service.server.auth import BearerAuth
+from service.server.auth import BearerAuth, ipc_authorizer
+from service.server.deadlines import RequestDeadline
 from service.server.errors import install_error_handlers
 from service.server.leases import start_lease_sweeper, stop_lease_sweeper
 from service.server.limits import BodySizeLimit
@@ -43,6 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         log_start(state)
+        state.open_ipc_socket(ipc_authorizer(settings))
         sweeper = start_lease_sweeper(state)
         try:
             yield
@@ -64,12 +66,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for table in tables:
         table.add_to(app)  # flat: each route straight into the app's table
     document_request_bodies(app, [model for table in tables for model in table.body_models])
-    # The last added runs first: request timing (sees every answer, 401 and 413 included), then
-    # auth (401 before anything is read), then the body size limit.
+    # The last added runs first: the body deadline (and the connection guard's request count), request
+    # timing (sees every answer, 401 and 413 included), then auth (401 before anything is read), then the
+    # body size limit.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     if settings.api_key_tenants:
         app.add_middleware(BearerAuth, keys=settings.api_key_tenants)
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics, routes=app.router.routes)
+    app.add_middleware(RequestDeadline, body_timeout_s=settings.request_body_timeout_s)
     return app
 
 

@@ -18,7 +18,10 @@ from service.wire.errors import ERROR_CODES, status_of
 
 # The codes of the statuses Starlette and FastAPI raise HTTPException with (from the wire's table);
 # any other status is "http_error".
-HTTP_CODES = {ERROR_CODES[code].status: code for code in ("not_found", "method_not_allowed", "payload_too_large")}
+HTTP_CODES = {
+    ERROR_CODES[code].status: code
+    for code in ("not_found", "method_not_allowed", "payload_too_large", "request_timeout")
+}
 
 
 def error_response(

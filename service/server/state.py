@@ -1,6 +1,7 @@
 """Everything one app owns, built once by create_app(), reached through dependency aliases."""
 
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
@@ -12,6 +13,7 @@ from service.core.allocator import PageAllocator
 from service.core.sequences import Sequence, SequenceTable
 from service.engine.engine import Engine
 from service.engine.storage import Storage
+from service.ipc.fd_socket import FdServer
 
 if TYPE_CHECKING:
     from service.events.publisher import EventPublisher
@@ -25,6 +27,7 @@ class PoolState:
         self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching)
         self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)
+        self.ipc_socket: FdServer | None = None  # memfd pools: where frontends get the descriptors
         self.max_attend_tokens = settings.max_attend_tokens or default_max_attend_tokens(self.storage.device.type)
         try:
             self.events = start_events(self) if settings.kv_events_endpoint else None
@@ -33,6 +36,20 @@ class PoolState:
             self.storage.close()
             raise
         self.ready = True
+
+    def open_ipc_socket(self, authorize: Callable[[str | None], None]) -> None:
+        """memfd pools: serve the descriptors on a Unix socket (at app start, closed by close())."""
+        if self.storage.kind == "memfd" and self.ipc_socket is None:
+            fds, keys = self.storage.shared_fds()
+            parent = self.settings.ipc_socket_dir or None
+            self.ipc_socket = FdServer(fds, keys, self.instance_id, authorize, parent)
+
+    def ipc_description(self) -> dict[str, Any]:
+        """GET /v1/ipc: the storage's exports, the instance, and for memfd pools the socket to ask."""
+        description = {**self.storage.ipc_description(), "instance_id": self.instance_id}
+        if self.ipc_socket is not None:
+            description["socket"] = self.ipc_socket.path
+        return description
 
     def sequence_body(self, seq: Sequence) -> dict[str, Any]:
         body = {
@@ -50,6 +67,9 @@ class PoolState:
         self.ready = False
         if self.events is not None:
             self.events.close()
+        if self.ipc_socket is not None:
+            self.ipc_socket.close()
+            self.ipc_socket = None
         self.engine.close()
         self.storage.close()
 
@@ -66,6 +86,8 @@ def default_max_attend_tokens(device_type: str) -> int:
     most) and its decode batches stay far below it.
     """
     return 2**36 if device_type == "cuda" else 2**22
+
+
 def start_events(state: PoolState) -> "EventPublisher":
     """The KV event publisher of KVPOOL_KV_EVENTS_* (zmq and msgspec are imported only when it is on)."""
     from service.events.listener import start_publishing

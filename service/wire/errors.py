@@ -47,6 +47,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
         _typed(Forbidden, 403),
         _typed(PayloadTooLarge, 413),
         ErrorCode("not_ready", 503),  # GET /readyz while shutting down
+        ErrorCode("request_timeout", 408),  # a body slower than KVPOOL_REQUEST_BODY_TIMEOUT_S
+        ErrorCode("too_many_connections", 503),  # a new connection over KVPOOL_MAX_CONNECTIONS, all busy
         ErrorCode("not_found", 404),  # no route at the path
         ErrorCode("method_not_allowed", 405),
         ErrorCode("internal_error", 500),  # a bug: the message names the exception

@@ -253,7 +253,8 @@ class IpcTensor(Answer):
     shape: list[int]
     strides: list[int] = Field(description="in elements")
     handle: dict[str, Any] = Field(
-        description='posix_shm: {"name", "offset", "nbytes"} of /dev/shm/<name>; '
+        description='memfd: {"fd_index", "offset", "nbytes"}: the descriptor\'s place among those the socket sends; '
+        'posix_shm: {"name", "offset", "nbytes"} of /dev/shm/<name>; '
         'cuda_ipc: a CUDA IPC memory handle of the storage, keyed by "device_uuid"'
     )
 
@@ -261,6 +262,11 @@ class IpcTensor(Answer):
 class IpcOut(Answer):
     model_config = ConfigDict(extra="allow")  # further pool tensors (e.g. FP8 scales) sit beside blocks
 
-    kind: Literal["posix_shm", "cuda_ipc"]
+    kind: Literal["memfd", "posix_shm", "cuda_ipc"]
     blocks: IpcTensor
     instance_id: str
+    socket: str | None = Field(
+        None,
+        description="memfd: the Unix-domain socket that hands out the pool's descriptors (owner-only; "
+        "the same API key and KVPOOL_IPC_TENANTS rule as this route)",
+    )

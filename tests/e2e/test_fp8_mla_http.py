@@ -140,17 +140,27 @@ def test_page_nbytes_counts_scales_and_the_latent() -> None:
     assert Settings(device="cpu").page_nbytes == 2 * 16 * 2 * 64 * 4 * 4
 
 
-def _map(desc: dict[str, Any]) -> torch.Tensor:
-    """A read-only copy of an exported posix_shm tensor, read with the standard library alone."""
+def _map(ipc: dict[str, Any], key: str) -> torch.Tensor:
+    """A read-only copy of an exported memfd tensor: its descriptor from the server's socket, then pread."""
     import numpy as np
 
-    handle = desc["handle"]
-    with open(f"/dev/shm/{handle['name']}", "rb") as f:
-        f.seek(handle["offset"])
-        raw = f.read(handle["nbytes"])
+    from service.ipc.fd_socket import receive_fds
+
+    desc, handle = ipc[key], ipc[key]["handle"]
+    answer, fds = receive_fds(ipc["socket"], None)
+    try:
+        assert answer["keys"][handle["fd_index"]] == key
+        raw = os.pread(fds[handle["fd_index"]], handle["nbytes"], handle["offset"])
+    finally:
+        for fd in fds:
+            os.close(fd)
     if desc["dtype"] == "float8_e4m3fn":
         return torch.from_numpy(np.frombuffer(raw, np.uint8).copy()).view(torch.float8_e4m3fn).view(desc["shape"])
     return torch.from_numpy(np.frombuffer(raw, np.float32).copy()).view(desc["shape"])
+
+
+def answer_keys(ipc: dict[str, Any]) -> list[str]:
+    return sorted((k for k in ("blocks", "scales") if k in ipc), key=lambda k: ipc[k]["handle"]["fd_index"])
 
 
 def test_fp8_ipc_exports_values_and_scales(start_server: Any) -> None:
@@ -164,7 +174,8 @@ def test_fp8_ipc_exports_values_and_scales(start_server: Any) -> None:
     assert c.post("/v1/sequences", json={"seq_id": "s"}).status_code == 201
     r = c.post("/v1/sequences/s/append", json={"num_tokens": 5, "k": enc(k), "v": enc(v)})
     assert r.json()["slots"] == [0, 1, 2, 3, 4]
-    blocks, scales = _map(ipc["blocks"]), _map(ipc["scales"])
+    assert ipc["kind"] == "memfd" and answer_keys(ipc) == ["blocks", "scales"]
+    blocks, scales = _map(ipc, "blocks"), _map(ipc, "scales")
     for kv_index, x in ((0, k), (1, v)):
         values, expected_scales = quantize_fp8(x, 8)  # [L, 5, H, D], [L, 5, H, D // 8]
         got = torch.cat([blocks[0, kv_index], blocks[1, kv_index, :, :1]], dim=1)  # [L, 5, H, D]

@@ -1,7 +1,8 @@
 """Zero-copy sharing: another OS process maps the pool through GET /v1/ipc and writes K/V in place.
 
-The server's attention must see exactly what the other process wrote; the shared-memory segment
-must be gone from /dev/shm once the server stops.
+The server's attention must see exactly what the other process wrote. A CPU pool is a sealed memfd
+(tests/ipc/test_memfd.py) unless KVPOOL_SHARED_MEMORY=posix_shm forces the fallback, a /dev/shm segment
+that must be gone once the server stops.
 """
 
 import os
@@ -118,17 +119,32 @@ def check_cross_process(server: Server, tmp_path: Path, device: str) -> None:
             client.free(seq_id)
 
 
+POSIX_SHM = {"KVPOOL_SHARED_MEMORY": "posix_shm"}  # the fallback, forced
+
+
 def test_ipc_description_matches_pool(cpu_server: Server) -> None:
     with KVPoolClient(cpu_server.url) as client:
         ipc, ready = client.ipc(), client.readyz()
-    assert ipc["kind"] == "posix_shm" and ipc["instance_id"] == ready["instance_id"]
+    assert ipc["kind"] == "memfd" and ipc["instance_id"] == ready["instance_id"]
     blocks = ipc["blocks"]
     assert blocks["dtype"] == "float32"
     assert blocks["shape"] == [17, 2, 2, 4, 2, 16] and blocks["strides"] == [512, 256, 128, 32, 16, 1]
-    handle = blocks["handle"]
+    assert blocks["handle"] == {"fd_index": 0, "offset": 0, "nbytes": 17 * 512 * 4}
+    assert Path(ipc["socket"]).is_socket()
+    assert not [n for n in os.listdir("/dev/shm") if ready["instance_id"][:16] in n]
+
+
+def test_posix_shm_fallback_description_matches_pool(start_server: Any) -> None:
+    server = start_server(POSIX_SHM)
+    with KVPoolClient(server.url) as client:
+        ipc, ready = client.ipc(), client.readyz()
+    assert ipc["kind"] == "posix_shm" and ipc["instance_id"] == ready["instance_id"] and "socket" not in ipc
+    handle = ipc["blocks"]["handle"]
     assert handle["name"] == f"kvpool-{ready['instance_id'][:16]}-blocks"
     assert (handle["offset"], handle["nbytes"]) == (0, 17 * 512 * 4)
     assert (Path("/dev/shm") / handle["name"]).stat().st_size == 17 * 512 * 4
+    with KVPoolClient(server.url) as client, client.attach() as pool:
+        assert pool.kind == "posix_shm" and pool.blocks.shape == (17, 2, 2, 4, 2, 16)
 
 
 def test_writes_through_the_view_are_validated(cpu_server: Server) -> None:
@@ -147,11 +163,16 @@ def test_writes_through_the_view_are_validated(cpu_server: Server) -> None:
 
 
 def _segment_of(server: Server) -> Path:
-    return Path("/dev/shm") / server.client.get("/v1/ipc").json()["blocks"]["handle"]["name"]
+    """posix_shm: the segment in /dev/shm; memfd: the socket file that hands out its descriptor."""
+    ipc = server.client.get("/v1/ipc").json()
+    if ipc["kind"] == "memfd":
+        return Path(ipc["socket"])
+    return Path("/dev/shm") / ipc["blocks"]["handle"]["name"]
 
 
-def test_sigterm_unlinks_the_segment_and_a_restart_is_detected(start_server: Any) -> None:
-    first = start_server()
+@pytest.mark.parametrize("env", [{}, POSIX_SHM], ids=["memfd", "posix_shm"])
+def test_sigterm_unlinks_the_segment_and_a_restart_is_detected(start_server: Any, env: dict[str, str]) -> None:
+    first = start_server(env)
     segment = _segment_of(first)
     with KVPoolClient(first.url) as client, client.attach() as pool:
         client.check_attached(pool)
@@ -165,11 +186,13 @@ def test_sigterm_unlinks_the_segment_and_a_restart_is_detected(start_server: Any
             other.check_attached(pool)
         assert info.value.code == "pool_lost"
         with pytest.raises(FileNotFoundError, match="must run on this machine"):
-            AttachedPool(pool.description)  # the first server's segment is gone
+            AttachedPool(pool.description)  # the first server's segment (or socket) is gone
+        if not env:
+            assert not segment.parent.exists()  # the socket's private directory too
 
 
 def test_sigint_unlinks_the_segment(start_server: Any) -> None:
-    server = start_server()
+    server = start_server(POSIX_SHM)
     segment = _segment_of(server)
     assert segment.exists()
     assert server.stop(signal.SIGINT) in (0, -signal.SIGINT)
@@ -177,8 +200,8 @@ def test_sigint_unlinks_the_segment(start_server: Any) -> None:
 
 
 def test_segment_is_reclaimed_even_after_sigkill(start_server: Any) -> None:
-    """The resource tracker (a separate process) unlinks what a killed server left registered."""
-    server = start_server()
+    """The watchdog (a separate process) unlinks what a killed server left registered."""
+    server = start_server(POSIX_SHM)
     segment = _segment_of(server)
     server.stop(signal.SIGKILL)
     deadline = time.monotonic() + 20
@@ -233,7 +256,16 @@ def test_a_pool_larger_than_dev_shm_is_refused_at_start() -> None:
     page_nbytes = 2 * 8 * 4 * 2 * 1024 * 4
     num_pages = st.f_bavail * st.f_frsize // page_nbytes + 1024
     before = set(os.listdir("/dev/shm"))
-    env = {"KVPOOL_NUM_LAYERS": "8", "KVPOOL_HEAD_DIM": "1024", "KVPOOL_NUM_PAGES": str(num_pages)}
+    env = {"KVPOOL_NUM_LAYERS": "8", "KVPOOL_HEAD_DIM": "1024", "KVPOOL_NUM_PAGES": str(num_pages), **POSIX_SHM}
     err = serve_expecting_refusal(env)
     assert re.search(r"cannot start: the pool needs .* GiB of shared memory", err) and "--shm-size" in err
     assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvpool-")}
+
+
+def test_a_memfd_pool_larger_than_memory_is_refused_at_start() -> None:
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    page_nbytes = 2 * 8 * 4 * 2 * 1024 * 4
+    env = {"KVPOOL_NUM_LAYERS": "8", "KVPOOL_HEAD_DIM": "1024", "KVPOOL_NUM_PAGES": str(available // page_nbytes * 2)}
+    err = serve_expecting_refusal(env)
+    assert re.search(r"cannot start: the pool needs .* GiB of shared memory but the machine cannot hold it", err)

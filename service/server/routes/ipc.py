@@ -15,5 +15,6 @@ routes = RouteTable(tags=["ipc"])
     "/v1/ipc", response_model=IpcOut, dependencies=[Depends(require_ipc_tenant)], responses=error_responses(401, 403)
 )
 async def ipc(pool: StateDep) -> Response:
-    """The pool's shared-memory segment (CPU) or CUDA IPC handle (GPU), its dtype, shape and strides."""
-    return json_response({**pool.storage.ipc_description(), "instance_id": pool.instance_id})
+    """How to map the pool: its memfd's socket or shared-memory segment (CPU), or CUDA IPC handle (GPU);
+    its dtype, shape and strides."""
+    return json_response(pool.ipc_description())
