@@ -12,6 +12,7 @@ from service.core.allocator import PageAllocator
 from service.core.sequences import Sequence, SequenceTable
 from service.engine.engine import Engine
 from service.engine.storage import Storage
+from service.tiers.manager import Tiers
 
 
 class PoolState:
@@ -22,6 +23,14 @@ class PoolState:
         self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching)
         self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)
+        self.tiers: Tiers | None = None
+        if settings.spill != "none" or settings.remote_url:
+            try:
+                self.tiers = Tiers(self)
+            except BaseException:
+                self.engine.close()
+                self.storage.close()
+                raise
         self.ready = True
 
     def sequence_body(self, seq: Sequence) -> dict[str, Any]:
@@ -38,7 +47,11 @@ class PoolState:
 
     def close(self) -> None:
         self.ready = False
+        if self.tiers is not None:
+            self.tiers.stop()
         self.engine.close()
+        if self.tiers is not None:
+            self.tiers.close()
         self.storage.close()
 
 

@@ -1,0 +1,283 @@
+"""The tiers below the device: spill on eviction, write to the shared store on commit, restore on a hit.
+
+Spill (the node's tier): Tiers is a CacheListener of the allocator. removed() runs on the loop inside
+allocate(), before the evicted pages are reused; it reserves tier slots and SUBMITS the copy to the
+engine at once. Whoever got those pages writes them later through the same engine, and the engine
+runs jobs in submission order, so the spill copy reads the old K/V before any new write lands
+(tests/tiers/test_ordering.py: evict, overwrite, restore, compare).
+
+Shared tier: stored() queues newly committed pages (bounded: a full queue skips and counts); a
+background task takes batches, keeps the pages still registered under the same hash, gathers them
+through the engine (after the write that committed them, which was submitted first) and writes them
+from a thread. The remote tier is written at commit, not at eviction: a prefix computed here is of
+use to the other nodes at once.
+
+Restore (restore(), awaited by POST /v1/sequences before the core's create): match the device, then
+the local tier, then the remote store; take fresh device pages for what the tiers hold, copy it in,
+and only when every copy succeeded commit the pages into the prefix index; a failed read frees the
+fresh pages uncommitted (the hit is then the shorter one the device had). The device hits are held
+meanwhile, so nothing this call allocates can evict them; the create that follows, with no await in
+between, finds all the pages in the device's index and counts them in cached_tokens.
+"""
+
+import asyncio
+import collections
+import concurrent.futures
+import functools
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from service.core.plan import checked_token_bytes
+from service.core.tier_index import chain_hashes
+from service.tiers.local import DiskTier, HostTier
+from service.tiers.pages import PageCodec
+from service.tiers.remote import RemoteStore
+from service.tiers.stats import Incident
+
+if TYPE_CHECKING:
+    from service.server.state import PoolState
+
+log = logging.getLogger("kvpool.tiers")
+WRITE_BATCH = 64  # pages per remote write (one gather, one pipelined round trip)
+
+
+class Tiers:
+    def __init__(self, state: "PoolState") -> None:
+        s = state.settings
+        self.state, self.engine, self.allocator = state, state.engine, state.allocator
+        self.page_size, self.token_nbytes = s.page_size, s.page_size * 8
+        self.codec = PageCodec(state.storage)
+        self.local: HostTier | DiskTier | None = None
+        if s.spill == "host":
+            self.local = HostTier(self.codec, s.spill_bytes, pinned=state.storage.device.type == "cuda")
+        elif s.spill == "disk":
+            self.local = DiskTier(self.codec, s.spill_bytes, s.spill_path, state.instance_id)
+        self.remote = RemoteStore(s, self.codec.page_nbytes) if s.remote_url else None
+        self.remote_incident = Incident("remote", log)
+        self._queue: collections.deque[tuple[int, bytes, bytes]] = collections.deque()
+        self._queue_max = s.remote_queue_pages
+        self._wake = asyncio.Event()
+        self._quiet = False  # committing restored pages: they are in the store already
+        self._io = {"read": _thread("kvpool-remote-read"), "write": _thread("kvpool-remote-write")}
+        self._writer: asyncio.Task[None] | None = None
+        self.allocator.listeners.append(self)
+
+    def tiers(self) -> list[HostTier | DiskTier | RemoteStore]:
+        return [t for t in (self.local, self.remote) if t is not None]
+
+    # -- the allocator's listener (on the loop, inside its calls: quick) ------------------------
+    def removed(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
+        tier = self.local
+        if tier is None or (not tier.incident.usable()):
+            if tier is not None:
+                tier.stats.skipped += len(pages)
+            return
+        todo: list[tuple[int, int, bytes]] = []
+        for page, page_hash, key in zip(pages.tolist(), hashes, keys):
+            reserved = tier.index.reserve(page_hash.tobytes(), key.tobytes())
+            if reserved is not None:
+                todo.append((page, reserved[0], page_hash.tobytes()))
+        if todo:
+            self._spill(tier, todo)
+
+    def _spill(self, tier: HostTier | DiskTier, todo: list[tuple[int, int, bytes]]) -> None:
+        pages, slots, hashes = [t[0] for t in todo], [t[1] for t in todo], [t[2] for t in todo]
+        loop = asyncio.get_running_loop()
+        if isinstance(tier, HostTier):
+            job = tier.spill_job(pages, slots)
+        else:
+            disk = tier
+
+            def job() -> None:  # on the engine: gather; the IO thread writes, then the loop hears of it
+                data = self.codec.gather(pages).numpy()
+                disk.write(slots, hashes, data).add_done_callback(
+                    lambda f: loop.call_soon_threadsafe(self._spilled, disk, slots, hashes, f.exception())
+                )
+
+        inline = self.engine.fits_inline(nbytes=len(pages) * tier.page_nbytes)
+        done = self.engine.submit(_catching(job), inline)
+
+        def settle(f: "asyncio.Future[BaseException | None]") -> None:
+            # Host: the copy is done. Disk: only a failed gather ends here; the IO thread reports the rest.
+            if isinstance(tier, HostTier) or f.result() is not None:
+                self._spilled(tier, slots, hashes, f.result())
+
+        done.add_done_callback(settle)
+
+    def _spilled(
+        self, tier: HostTier | DiskTier, slots: list[int], hashes: list[bytes], error: BaseException | None
+    ) -> None:
+        for page_hash, slot in zip(hashes, slots):
+            (tier.index.discard if error else tier.index.ready)(page_hash, slot)
+        if error is not None:
+            tier.incident.failed(tier.stats, error)
+            return
+        tier.incident.succeeded()
+        tier.stats.bytes_out += len(slots) * tier.page_nbytes
+
+    def stored(self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, token_bytes: bytes) -> None:
+        if self.remote is None or self._quiet:
+            return
+        n = len(pages)
+        if len(self._queue) + n > self._queue_max:
+            self.remote.stats.skipped += n
+            return
+        size = self.token_nbytes
+        for i, page in enumerate(pages.tolist()):
+            self._queue.append((page, hashes[i].tobytes(), token_bytes[i * size : (i + 1) * size]))
+        self._wake.set()
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_remote())
+
+    async def _write_remote(self) -> None:
+        remote, loop = self.remote, asyncio.get_running_loop()
+        assert remote is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
+                if not self.remote_incident.usable():
+                    remote.stats.skipped += len(batch)
+                    continue
+                # Pages evicted (and maybe rewritten) since their commit are no longer these pages.
+                live = [b for b in batch if self.allocator.page_hash(b[0]) == b[1]]
+                if not live:
+                    continue
+                pages = [b[0] for b in live]
+                try:
+                    data = await self.engine.submit(functools.partial(self._gather_numpy, pages), False)
+                    hashes, tokens = [b[1] for b in live], [b[2] for b in live]
+                    sent = await loop.run_in_executor(self._io["write"], remote.put, hashes, tokens, data)
+                except Exception as exc:  # the store down or slow: count, skip, go on
+                    self.remote_incident.failed(remote.stats, exc)
+                    continue
+                self.remote_incident.succeeded()
+                remote.stats.bytes_out += sent
+
+    def _gather_numpy(self, pages: list[int]) -> np.ndarray:
+        return self.codec.gather(pages).numpy()
+
+    # -- restore --------------------------------------------------------------------------------
+    async def restore(self, token_ids: list[int], tenant: str, cache_salt: str) -> None:
+        """Bring back the pages of the prompt that the device lacks and the tiers hold (see the module
+        docstring); never raises for a tier's failure (the hit is then shorter)."""
+        if not self.allocator.enable_prefix_caching:
+            return
+        hits, last, _ = self.state.sequences.prefixes.match(token_ids, tenant, cache_salt)
+        max_hits = (len(token_ids) - 1) // self.page_size
+        if len(hits) >= max_hits:
+            return
+        size = self.token_nbytes
+        rest = checked_token_bytes(token_ids[len(hits) * self.page_size : max_hits * self.page_size])
+        local = self.local.index.match(last, rest, size) if self.local and self.local.incident.usable() else []
+        if self.local is not None and not local:
+            self.local.stats.misses += 1
+        remote_data = await self._remote_lookup(last, rest, len(local), max_hits - len(hits))
+        if not local and not remote_data:
+            return
+        if hits:
+            self.allocator.acquire_cached(hits)
+        try:
+            num = min(len(local) + len(remote_data), self.allocator.num_available)
+            if num <= 0:
+                return
+            fresh = self.allocator.allocate(num).tolist()
+            num = await self._copy_in(fresh, local, remote_data)
+            if num:  # all copies in: commit what came back, chained after the device hits
+                self._quiet = True
+                try:
+                    self.allocator.commit(fresh[:num], last, rest[: num * size], size)
+                finally:
+                    self._quiet = False
+            self.allocator.release(np.array(fresh[::-1], dtype=np.int64))
+        finally:
+            if hits:
+                self.allocator.release(np.array(hits[::-1], dtype=np.int64))
+
+    async def _remote_lookup(self, last: bytes, rest: bytes, skip: int, limit: int) -> list[np.ndarray]:
+        remote = self.remote
+        if remote is None or skip >= limit or not self.remote_incident.usable():
+            return []
+        size = self.token_nbytes
+        hashes = chain_hashes(last, rest, size, limit)[skip:]
+        tokens = [rest[i * size : (i + 1) * size] for i in range(skip, skip + len(hashes))]
+        loop = asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(self._io["read"], remote.get, hashes, tokens)
+        except Exception as exc:
+            self.remote_incident.failed(remote.stats, exc)
+            return []
+        self.remote_incident.succeeded()
+        if not found:
+            remote.stats.misses += 1
+        return found
+
+    async def _copy_in(self, fresh: list[int], local: list[tuple[bytes, int]], remote: list[np.ndarray]) -> int:
+        """Copy into `fresh` what the tiers hold, local entries first; returns how many pages came in
+        (0 on any failure). Local entries evicted meanwhile (by this very allocation) cut the run."""
+        tier, num = self.local, len(fresh)
+        num_local = 0
+        for page_hash, slot in local[:num]:
+            entry = tier.index.entry(page_hash) if tier else None
+            if entry is None or entry.slot != slot or entry.pending:
+                break
+            num_local += 1
+        if num_local < len(local):
+            num = num_local  # the chain broke: the remote pages after it cannot be used
+        try:
+            if num_local:
+                assert tier is not None
+                slots, hashes = [s for _, s in local[:num_local]], [h for h, _ in local[:num_local]]
+                if isinstance(tier, HostTier):
+                    await self.engine.submit(tier.read_job(slots, fresh[:num_local]))
+                else:
+                    data = await asyncio.wrap_future(tier.read(slots, hashes))
+                    await self.engine.submit(lambda: self.codec.scatter(fresh[:num_local], torch.from_numpy(data)))
+                tier.stats.hits += num_local
+                tier.stats.bytes_in += num_local * self.codec.page_nbytes
+            if num > num_local and self.remote is not None:
+                data = np.stack(remote[: num - num_local])
+                await self.engine.submit(lambda: self.codec.scatter(fresh[num_local:num], torch.from_numpy(data)))
+                self.remote.stats.hits += num - num_local
+                self.remote.stats.bytes_in += (num - num_local) * self.codec.page_nbytes
+        except Exception as exc:
+            failed = tier if num_local and tier is not None else self.remote
+            if failed is not None:
+                incident = failed.incident if isinstance(failed, HostTier | DiskTier) else self.remote_incident
+                incident.failed(failed.stats, exc)
+            return 0
+        return num
+
+    def stop(self) -> None:
+        """No more remote writes (before the engine closes)."""
+        if self._writer is not None:
+            self._writer.cancel()
+
+    def close(self) -> None:
+        """After the engine closed: no job can reach the tiers any more."""
+        for pool in self._io.values():
+            pool.shutdown(wait=False)
+        for tier in self.tiers():
+            tier.close()
+
+
+def _thread(name: str) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+
+def _catching(job: Callable[[], None]) -> Callable[[], BaseException | None]:
+    """An engine job that returns its exception instead of raising it (nobody awaits a spill)."""
+
+    def run() -> BaseException | None:
+        try:
+            job()
+        except Exception as exc:
+            return exc
+        return None
+
+    return run

@@ -1,0 +1,32 @@
+"""The node's tier over HTTP: a workload four times the device pool gets its evicted prefixes back
+from host memory or a disk file, and attention over restored pages equals the original's bit for bit."""
+
+from typing import Any
+
+import pytest
+
+from tests.tiers.helpers import run_prompt, same_bits
+
+NUM_PROMPTS = 16  # 4 pages each: 64 pages, the device pool holds 16
+
+
+def metric(c: Any, name: str, tier: str) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(f'{name}{{tier="{tier}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name}{{tier={tier}}} not exported")
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cycling_workload_hits_the_tier_and_attends_to_the_bit(start_server: Any, tmp_path: Any, tier: str) -> None:
+    env = {"KVPOOL_SPILL": tier, "KVPOOL_SPILL_BYTES": str(64 * 2200), "KVPOOL_SPILL_PATH": str(tmp_path)}
+    c = start_server(env).client
+    first = [run_prompt(c, f"s{i}", i) for i in range(NUM_PROMPTS)]
+    assert [cached for cached, _ in first] == [0] * NUM_PROMPTS
+    second = [run_prompt(c, f"s{i}", i) for i in range(NUM_PROMPTS)]
+    # Every prompt comes back whole: from the tier (the device kept at most 16 of the 64 pages).
+    assert [cached for cached, _ in second] == [16] * NUM_PROMPTS
+    for (_, a), (_, b) in zip(first, second):
+        assert same_bits(a, b)
+    pool = c.get("/v1/pool").json()
+    assert pool["pages_used"] == 0 and pool["pages_cached"] + pool["pages_free"] == 16
