@@ -23,10 +23,11 @@ between, finds all the pages in the device's index and counts them in cached_tok
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -68,6 +69,23 @@ class Tiers:
 
     def tiers(self) -> list[HostTier | DiskTier | RemoteStore]:
         return [t for t in (self.local, self.remote) if t is not None]
+
+    def report(self) -> list[dict[str, Any]]:
+        """Each tier's size, use and counts: GET /v1/pool shows them, the metrics export them."""
+        out = []
+        for tier in self.tiers():
+            row: dict[str, Any] = {"tier": tier.name, **dataclasses.asdict(tier.stats)}
+            if isinstance(tier, RemoteStore):
+                up = not self.remote_incident.down
+                row |= {"capacity_bytes": None, "used_bytes": None, "entries": None, "capacity_entries": None}
+                row |= {"evictions": 0, "up": up, "queued_pages": len(self._queue)}
+            else:
+                index = tier.index
+                row |= {"capacity_bytes": tier.capacity_bytes, "entries": len(index), "evictions": index.num_evictions}
+                row |= {"used_bytes": len(index) * (tier.capacity_bytes // max(index.num_slots, 1))}
+                row |= {"capacity_entries": index.num_slots, "up": not tier.incident.down, "queued_pages": 0}
+            out.append(row)
+        return out
 
     # -- the allocator's listener (on the loop, inside its calls: quick) ------------------------
     def removed(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:

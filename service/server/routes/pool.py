@@ -37,6 +37,7 @@ async def pool_info(pool: StateDep) -> Response:
             "attention_backend": pool.engine.backend,
             "core_compiled": service.core.is_compiled(),
             **format_fields(s),
+            "tiers": pool.tiers.report() if pool.tiers is not None else [],
         }
     )
 
