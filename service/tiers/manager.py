@@ -34,7 +34,7 @@ import torch
 
 from service.core.plan import checked_token_bytes
 from service.core.tier_index import chain_hashes
-from service.tiers.local import DiskTier, HostTier
+from service.tiers.local import DiskTier, HostTier, TierDataError
 from service.tiers.pages import PageCodec
 from service.tiers.remote import RemoteStore
 from service.tiers.stats import Incident
@@ -264,6 +264,9 @@ class Tiers:
                 self.remote.stats.hits += num - num_local
                 self.remote.stats.bytes_in += (num - num_local) * self.codec.page_nbytes
         except Exception as exc:
+            if isinstance(exc, TierDataError) and tier is not None:
+                for page_hash, slot in local[:num_local]:  # never read again
+                    tier.index.discard(page_hash, slot)
             failed = tier if num_local and tier is not None else self.remote
             if failed is not None:
                 incident = failed.incident if isinstance(failed, HostTier | DiskTier) else self.remote_incident
