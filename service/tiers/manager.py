@@ -192,7 +192,8 @@ class Tiers:
             return
         size = self.token_nbytes
         rest = checked_token_bytes(token_ids[len(hits) * self.page_size : max_hits * self.page_size])
-        local = self.local.index.match(last, rest, size) if self.local and self.local.incident.usable() else []
+        # (A local tier's incident, a full disk typically, stops its spills, not its reads.)
+        local = self.local.index.match(last, rest, size) if self.local else []
         if self.local is not None and not local:
             self.local.stats.misses += 1
         remote_data = await self._remote_lookup(last, rest, len(local), max_hits - len(hits))

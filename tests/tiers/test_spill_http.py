@@ -1,6 +1,8 @@
 """The node's tier over HTTP: a workload four times the device pool gets its evicted prefixes back
 from host memory or a disk file, and attention over restored pages equals the original's bit for bit."""
 
+import resource
+import time
 from typing import Any
 
 import pytest
@@ -30,3 +32,32 @@ def test_cycling_workload_hits_the_tier_and_attends_to_the_bit(start_server: Any
         assert same_bits(a, b)
     pool = c.get("/v1/pool").json()
     assert pool["pages_used"] == 0 and pool["pages_cached"] + pool["pages_free"] == 16
+
+
+def test_disk_full_spills_stop_counted_and_nothing_else_fails(start_server: Any, tmp_path: Any) -> None:
+    env = {"KVPOOL_SPILL": "disk", "KVPOOL_SPILL_BYTES": str(64 * 2200), "KVPOOL_SPILL_PATH": str(tmp_path)}
+    server = start_server(env)
+    c = server.client
+    # The file may not grow past 8 records of 2,112 bytes: writes beyond fail (EFBIG, like ENOSPC).
+    resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (8 * 2112, resource.RLIM_INFINITY))
+    first = [run_prompt(c, f"s{i}", i) for i in range(NUM_PROMPTS)]
+    second = [run_prompt(c, f"s{i}", i) for i in range(NUM_PROMPTS)]
+    assert metric(c, "kvpool_tier_errors_total", "disk") >= 1
+    assert metric(c, "kvpool_tier_up", "disk") == 0
+    # What fits came back (the first two prompts' pages, spilled first), the rest was recomputed:
+    hits = [cached for cached, _ in second]
+    assert hits[:2] == [16, 16] and set(hits[2:]) <= {0, 16}
+    for (_, a), (_, b) in zip(first, second):
+        assert same_bits(a, b)  # right data either way
+    pool = c.get("/v1/pool").json()
+    assert pool["pages_used"] == 0 and pool["pages_cached"] + pool["pages_free"] == 16
+    # Room again: spills resume by themselves, and the tier says so.
+    resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    time.sleep(1.1)  # the back-off after the last failure
+    for rounds in range(2):
+        for i in range(NUM_PROMPTS):
+            run_prompt(c, f"s{i}", i)
+    assert metric(c, "kvpool_tier_up", "disk") == 1
+    assert [run_prompt(c, f"t{i}", i)[0] for i in range(NUM_PROMPTS)] == [16] * NUM_PROMPTS
+    server.stop()
+    assert server.output.count("disk tier failing") == 1, server.output
