@@ -1,6 +1,8 @@
 """The shared tier over HTTP, against a real redis-server and real kvpool servers: (a) sharing across
 instances, (c) the store killed and restarted, (d) poisoned entries, (e) tenants kept apart."""
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -114,3 +116,33 @@ def test_tenants_never_share_through_the_store(start_server: Any, redis_server: 
     assert run_prompt(b, "y", 4, headers=bob)[0] == 0
     cached, out_b = run_prompt(b, "z", 4, headers=alice)
     assert cached == 16 and same_bits(out, out_b)
+
+
+def test_a_hung_store_costs_requests_one_timeout_then_nothing(start_server: Any, redis_server: RedisServer) -> None:
+    a = start_server(remote_env(redis_server)).client
+    run_prompt(a, "x", 1)
+    wait_for_keys(redis_server, 4)
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+    try:
+        took = []
+        for i in range(2, 8):
+            start = time.monotonic()
+            assert run_prompt(a, f"s{i}", i)[0] == 0
+            took.append(time.monotonic() - start)
+        assert max(took) < 0.2 + 1.0  # one timeout (0.2 s) at most, never a hang
+        assert metric(a, "kvpool_tier_errors_total", "remote") >= 1
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    time.sleep(1.1)
+    run_prompt(a, "y", 9)
+    wait_for_keys(redis_server, 8)  # the store answers again: writes resume
+
+
+def test_a_full_write_queue_skips_and_counts(start_server: Any, redis_server: RedisServer) -> None:
+    a = start_server({**remote_env(redis_server), "KVPOOL_REMOTE_QUEUE_PAGES": "3"}).client
+    run_prompt(a, "x", 1)  # one commit of 4 pages: more than the queue holds
+    run_prompt(a, "y", 2, num_pages=2)  # 2 pages: queued and written
+    wait_for_keys(redis_server, 2)
+    assert metric(a, "kvpool_tier_skipped_total", "remote") == 4
+    assert sorted(k.decode() for k in redis_server.client().keys()) == sorted(keys_of("", 2)[:2])
