@@ -54,7 +54,7 @@ def test_disk_full_spills_stop_counted_and_nothing_else_fails(start_server: Any,
     # Room again: spills resume by themselves, and the tier says so.
     resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     time.sleep(1.1)  # the back-off after the last failure
-    for rounds in range(2):
+    for _ in range(2):
         for i in range(NUM_PROMPTS):
             run_prompt(c, f"s{i}", i)
     assert metric(c, "kvpool_tier_up", "disk") == 1
