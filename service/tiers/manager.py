@@ -88,7 +88,23 @@ class Tiers:
         return out
 
     # -- the allocator's listener (on the loop, inside its calls: quick) ------------------------
+    # Both run inside the allocator's calls: an exception would leave it half-changed, so none escapes.
     def removed(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
+        try:
+            self._removed(pages, hashes, keys)
+        except Exception as exc:  # no running loop (a tool driving the core), or the engine closed
+            if self.local is not None:
+                self.local.incident.failed(self.local.stats, exc)
+
+    def stored(self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, token_bytes: bytes) -> None:
+        try:
+            self._stored(pages, hashes, token_bytes)
+        except Exception as exc:
+            if self.remote is not None:
+                self.remote_incident.failed(self.remote.stats, exc)
+
+    def _removed(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
+        asyncio.get_running_loop()  # (raises before any slot is reserved)
         tier = self.local
         if tier is None or (not tier.incident.usable()):
             if tier is not None:
@@ -137,7 +153,7 @@ class Tiers:
         tier.incident.succeeded()
         tier.stats.bytes_out += len(slots) * tier.page_nbytes
 
-    def stored(self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, token_bytes: bytes) -> None:
+    def _stored(self, pages: np.ndarray, hashes: np.ndarray, token_bytes: bytes) -> None:
         if self.remote is None or self._quiet:
             return
         n = len(pages)

@@ -29,6 +29,7 @@ from service.config import Settings
 from service.tiers.stats import TierStats
 
 MAGIC = b"kvpool-remote-v1"
+READ_BATCH = 32  # keys per MGET: a lookup stops at the first batch that comes back short
 CRC = struct.Struct("<I")
 
 
@@ -83,16 +84,19 @@ class RemoteStore:
         self.stats = TierStats()
 
     def get(self, hashes: list[bytes], token_bytes: list[bytes]) -> list[np.ndarray]:
-        """The leading run of pages found intact (MGET, one round trip); raises redis errors."""
-        values: list[bytes | None] = self.client.mget([page_key(self.geometry, h) for h in hashes])  # type: ignore[assignment]
+        """The leading run of pages found intact: MGETs of READ_BATCH keys, one round trip each, until
+        a batch comes back short; raises redis errors."""
         found: list[np.ndarray] = []
-        for value, page_hash, tokens in zip(values, hashes, token_bytes):
-            data = decode_value(value, value_prefix(self.geometry, page_hash, tokens), self.page_nbytes)
-            if data is None:
-                if value is not None:
-                    self.stats.rejected += 1
-                break
-            found.append(data)
+        for start in range(0, len(hashes), READ_BATCH):
+            keys = [page_key(self.geometry, h) for h in hashes[start : start + READ_BATCH]]
+            values: list[bytes | None] = self.client.mget(keys)  # type: ignore[assignment]
+            for i, value in enumerate(values, start):
+                data = decode_value(value, value_prefix(self.geometry, hashes[i], token_bytes[i]), self.page_nbytes)
+                if data is None:
+                    if value is not None:
+                        self.stats.rejected += 1
+                    return found
+                found.append(data)
         return found
 
     def put(self, hashes: list[bytes], token_bytes: list[bytes], data: np.ndarray) -> int:

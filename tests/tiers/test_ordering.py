@@ -107,3 +107,52 @@ def test_a_failed_tier_read_restores_nothing(tmp_path: Any) -> None:
             state.close()
 
     asyncio.run(scenario())
+
+
+FORMATS = {
+    "fp8": dict(dtype="float8_e4m3fn", quant_granularity=8),
+    "mla": dict(mla=True, num_kv_heads=1, kv_lora_rank=8),
+}
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_fp8_scales_and_mla_latents_come_back_bit_for_bit(tier: str, fmt: str, tmp_path: Any) -> None:
+    async def scenario() -> None:
+        s = Settings(**{**SMALL, **FORMATS[fmt]}, spill=tier, spill_bytes=32 * 2200, spill_path=str(tmp_path))
+        state = PoolState(s)
+        storage, seqs = state.storage, state.sequences
+        try:
+            tokens = prompt(1)
+            heads = s.num_kv_heads
+            g = torch.Generator().manual_seed(3)
+            k = torch.randn(2, 16, heads, 16, generator=g)
+            v = None if s.mla else torch.randn(2, 16, heads, 16, generator=g)
+            seqs.create("a", [*tokens, 7])
+            seq, ext = seqs.append("a", 16, tokens, data_written=True)
+            await state.engine.submit(lambda: state.engine.write(k, v, torch.from_numpy(ext.slots)))
+            old = seqs.block_table(seq)
+            blocks = storage.blocks[torch.tensor(old)].clone()
+            scales = None if storage.scales is None else storage.scales[torch.tensor(old)].clone()
+            seqs.free("a")
+            seqs.create("b")
+            taken, ext = seqs.append("b", 32, list(range(5000, 5032)), data_written=True)
+            kb, vb = torch.randn(2, 32, heads, 16), None if s.mla else torch.randn(2, 32, heads, 16)
+            await state.engine.submit(lambda: state.engine.write(kb, vb, torch.from_numpy(ext.slots)))
+            assert set(old) <= set(seqs.block_table(taken))  # overwritten by "b"
+            assert not torch.equal(storage.blocks[torch.tensor(old)].view(torch.uint8), blocks.view(torch.uint8))
+            seqs.free("b")
+            await asyncio.sleep(0.05)
+            assert state.tiers is not None
+            await state.tiers.restore([*tokens, 7], "", "")
+            new = seqs.block_table(seqs.create("a2", [*tokens, 7]))
+            assert len(new) == 4
+            got = storage.blocks[torch.tensor(new)]
+            assert torch.equal(got.view(torch.uint8), blocks.view(torch.uint8))
+            if scales is not None:
+                assert storage.scales is not None
+                assert torch.equal(storage.scales[torch.tensor(new)], scales) and scales.abs().sum() > 0
+        finally:
+            state.close()
+
+    asyncio.run(scenario())
