@@ -9,13 +9,12 @@ never sees the wrong data):
 - Disk: the engine job gathers the pages into host memory and hands the write to the tier's one IO
   thread; an entry becomes visible to lookups only when its write has landed (ready()), and reads go
   to the same IO thread, so a read queued for a ready entry runs before any later overwrite of its
-  slot. Each record carries the page's hash and a CRC-32 of its data, checked on every read.
+  slot. Each slot's header names its page, checked on every read.
 """
 
 import logging
 import os
 import struct
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -23,30 +22,18 @@ import numpy as np
 import torch
 
 from service.core.tier_index import TierIndex
-from service.tiers.pages import PageCodec
+from service.tiers.pages import PageCodec, paired_runs
 from service.tiers.stats import Incident, TierStats
 
 log = logging.getLogger("kvpool.tiers")
 
-HEADER = struct.Struct("<8s32sI")  # magic, page hash, CRC-32 of the page's bytes
+HEADER = struct.Struct("<8s32s")  # magic, the page's hash: which page a slot holds
 MAGIC = b"kvpool1\x00"
-HEADER_NBYTES = 64  # the header padded: records stay 64-byte aligned
+HEADER_NBYTES = 64  # the header padded
 
 
 class TierDataError(Exception):
-    """A tier returned data that is not the page asked for (wrong hash or checksum)."""
-
-
-def runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """(start index, first slot, count) of each run of consecutive slots."""
-    out: list[tuple[int, int, int]] = []
-    for i, slot in enumerate(slots):
-        if out and out[-1][1] + out[-1][2] == slot:
-            start, first, count = out[-1]
-            out[-1] = (start, first, count + 1)
-        else:
-            out.append((i, slot, 1))
-    return out
+    """A tier returned data that is not the page asked for (its slot names another page)."""
 
 
 class HostTier:
@@ -62,19 +49,18 @@ class HostTier:
         self.incident = Incident(self.name, log)
 
     def spill_job(self, pages: list[int], slots: list[int]) -> Callable[[], None]:
-        """The engine job copying `pages` into `slots` (one indexed gather; one copy per run of slots)."""
+        """The engine job copying `pages` into `slots`: one copy per run consecutive on both sides."""
 
         def job() -> None:
-            data = self.codec.gather(pages)
-            for start, first, count in runs(slots):
-                self.store[first : first + count].copy_(data[start : start + count])
+            for _, first, slot, count in paired_runs(pages, slots):
+                self.codec.read_run(first, count, self.store[slot : slot + count])
 
         return job
 
     def read_job(self, slots: list[int], pages: list[int]) -> Callable[[], None]:
         def job() -> None:
-            ids = torch.tensor(slots, dtype=torch.int64)
-            self.codec.scatter(pages, self.store[ids])
+            for _, slot, first, count in paired_runs(slots, pages):
+                self.codec.write_run(first, count, self.store[slot : slot + count])
 
         return job
 
@@ -83,6 +69,11 @@ class HostTier:
 
 
 class DiskTier:
+    """A file of num_slots headers (64 bytes each: magic, page hash), then num_slots pages of data, so
+    that a run of slots is one contiguous read straight into a run of pool pages. A read checks each
+    slot's header names the page asked for (identity); integrity is the file system's (no checksum
+    pass over the data: on a CPU pool it would cost as much as the read itself)."""
+
     name = "disk"
 
     def __init__(self, codec: PageCodec, nbytes: int, directory: str, instance_id: str) -> None:
@@ -91,6 +82,7 @@ class DiskTier:
         self.record_nbytes = HEADER_NBYTES + self.page_nbytes
         self.index = TierIndex(nbytes // self.record_nbytes)
         self.capacity_bytes = self.index.num_slots * self.record_nbytes
+        self.data_offset = self.index.num_slots * HEADER_NBYTES
         if not os.path.isdir(directory):
             raise RuntimeError(f"KVPOOL_SPILL_PATH={directory!r} is not a directory")
         self.path = os.path.join(directory, f"kvpool-spill-{instance_id[:16]}.bin")
@@ -99,51 +91,58 @@ class DiskTier:
         except OSError as exc:
             raise RuntimeError(f"KVPOOL_SPILL_PATH={directory!r}: cannot create the spill file: {exc}") from None
         os.unlink(self.path)  # an anonymous file: gone with the process, whatever way it ends
+        # Reads may land straight in the pool where it is host memory laid out as the file is (no scales).
+        self.direct = codec.device.type == "cpu" and codec.scales is None
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-disk")
         self.stats = TierStats()
         self.incident = Incident(self.name, log)
 
     def write(self, slots: list[int], hashes: list[bytes], data: np.ndarray) -> "Future[None]":
-        """Queue the records of `data` (uint8 [n, page_nbytes]) into `slots` on the IO thread."""
+        """Queue the pages of `data` (uint8 [n, page_nbytes]) into `slots` on the IO thread."""
         return self.io.submit(self._write, slots, hashes, data)
 
     def _write(self, slots: list[int], hashes: list[bytes], data: np.ndarray) -> None:
-        records = np.zeros((len(slots), self.record_nbytes), dtype=np.uint8)
-        records[:, HEADER_NBYTES:] = data
+        headers = np.zeros((len(slots), HEADER_NBYTES), dtype=np.uint8)
         for i, page_hash in enumerate(hashes):
-            header = HEADER.pack(MAGIC, page_hash, zlib.crc32(data[i]))
-            records[i, : HEADER.size] = np.frombuffer(header, dtype=np.uint8)
-        for start, first, count in runs(slots):
-            buf = records[start : start + count].data
-            offset, done = first * self.record_nbytes, 0
-            while done < len(buf):  # pwrite may write less than asked
-                written = os.pwrite(self.fd, buf[done:], offset + done)
-                if written <= 0:
-                    raise OSError("pwrite wrote nothing")
-                done += written
+            headers[i, : HEADER.size] = np.frombuffer(HEADER.pack(MAGIC, page_hash), dtype=np.uint8)
+        for i, first, _, count in paired_runs(slots, slots):
+            _pwrite_all(self.fd, data[i : i + count], self.data_offset + first * self.page_nbytes)
+            _pwrite_all(self.fd, headers[i : i + count], first * HEADER_NBYTES)
 
-    def read(self, slots: list[int], hashes: list[bytes]) -> "Future[np.ndarray]":
-        """Queue a read of `slots` (whose pages are `hashes`) on the IO thread: uint8 [n, page_nbytes]."""
-        return self.io.submit(self._read, slots, hashes)
+    def read(self, slots: list[int], hashes: list[bytes], out: np.ndarray) -> "Future[None]":
+        """Queue a read of `slots` (whose pages are `hashes`) into `out` (uint8 [n, page_nbytes], host
+        memory: a staging buffer, or the pool's own pages) on the IO thread; TierDataError if a slot
+        holds another page."""
+        return self.io.submit(self._read, slots, hashes, out)
 
-    def _read(self, slots: list[int], hashes: list[bytes]) -> np.ndarray:
-        records = np.empty((len(slots), self.record_nbytes), dtype=np.uint8)
-        for start, first, count in runs(slots):
-            nbytes = count * self.record_nbytes
-            view = memoryview(records[start : start + count].reshape(-1).data)
-            done = 0
-            while done < nbytes:
-                got = os.preadv(self.fd, [view[done:]], first * self.record_nbytes + done)
-                if got <= 0:
-                    raise TierDataError(f"short read at slot {first}")
-                done += got
-        data = records[:, HEADER_NBYTES:]
-        for i, page_hash in enumerate(hashes):
-            magic, stored_hash, crc = HEADER.unpack(records[i, : HEADER.size].tobytes())
-            if magic != MAGIC or stored_hash != page_hash or crc != zlib.crc32(data[i]):
-                raise TierDataError(f"slot {slots[i]} does not hold the page asked for")
-        return data
+    def _read(self, slots: list[int], hashes: list[bytes], out: np.ndarray) -> None:
+        for i, first, _, count in paired_runs(slots, slots):
+            headers = os.pread(self.fd, count * HEADER_NBYTES, first * HEADER_NBYTES)
+            for j in range(count):
+                magic, stored = HEADER.unpack_from(headers, j * HEADER_NBYTES)
+                if magic != MAGIC or stored != hashes[i + j]:
+                    raise TierDataError(f"slot {first + j} does not hold the page asked for")
+            _pread_all(self.fd, out[i : i + count], self.data_offset + first * self.page_nbytes)
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
         os.close(self.fd)
+
+
+def _pwrite_all(fd: int, rows: np.ndarray, offset: int) -> None:
+    buf, done = memoryview(np.ascontiguousarray(rows).reshape(-1).data), 0
+    while done < len(buf):  # pwrite may write less than asked
+        written = os.pwrite(fd, buf[done:], offset + done)
+        if written <= 0:
+            raise OSError("pwrite wrote nothing")
+        done += written
+
+
+def _pread_all(fd: int, rows: np.ndarray, offset: int) -> None:
+    assert rows.flags.c_contiguous
+    buf, done = memoryview(rows.reshape(-1).data), 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            raise TierDataError(f"short read at offset {offset + done}")
+        done += got

@@ -35,7 +35,7 @@ import torch
 from service.core.plan import checked_token_bytes
 from service.core.tier_index import chain_hashes
 from service.tiers.local import DiskTier, HostTier, TierDataError
-from service.tiers.pages import PageCodec
+from service.tiers.pages import PageCodec, paired_runs
 from service.tiers.remote import RemoteStore
 from service.tiers.stats import Incident
 
@@ -271,8 +271,7 @@ class Tiers:
                 if isinstance(tier, HostTier):
                     await self.engine.submit(tier.read_job(slots, fresh[:num_local]))
                 else:
-                    data = await asyncio.wrap_future(tier.read(slots, hashes))
-                    await self.engine.submit(lambda: self.codec.scatter(fresh[:num_local], torch.from_numpy(data)))
+                    await self._read_disk(tier, slots, hashes, fresh[:num_local])
                 tier.stats.hits += num_local
                 tier.stats.bytes_in += num_local * self.codec.page_nbytes
             if num > num_local and self.remote is not None:
@@ -290,6 +289,23 @@ class Tiers:
                 incident.failed(failed.stats, exc)
             return 0
         return num
+
+    async def _read_disk(self, tier: DiskTier, slots: list[int], hashes: list[bytes], pages: list[int]) -> None:
+        """Read into `pages`: on a CPU pool straight into the pool (the pages are this restore's alone,
+        uncommitted), once every job submitted before (the spills of their old content) has run;
+        elsewhere through a host buffer and an engine copy."""
+        if not tier.direct:
+            staging = np.empty((len(pages), self.codec.page_nbytes), dtype=np.uint8)
+            await asyncio.wrap_future(tier.read(slots, hashes, staging))
+            await self.engine.submit(lambda: self.codec.scatter(pages, torch.from_numpy(staging)))
+            return
+        await self.engine.submit(lambda: None)
+        reads = []
+        for i, first, _, count in paired_runs(pages, pages):
+            rows = self.codec.blocks[first : first + count].view(torch.uint8).view(count, -1).numpy()
+            reads.append(tier.read(slots[i : i + count], hashes[i : i + count], rows))
+        for read in reads:
+            await asyncio.wrap_future(read)
 
     def stop(self) -> None:
         """No more remote writes (before the engine closes)."""

@@ -1,13 +1,27 @@
 """Whole pages as bytes: what every tier stores per page (K/V of all layers, then FP8 scales).
 
 A page is blocks[page] ([2 | 1, L, P, H, D], contiguous: the pool is page-major) followed, on FP8
-pools, by scales[page]. gather() and scatter() move a batch of pages in one indexed copy each way,
-and run on the engine's worker (they touch the pool).
+pools, by scales[page]. Pages move in runs: consecutive pages are one contiguous slice of the pool,
+so a run of pages that lands in (or comes from) consecutive rows of a tier is one copy each way.
+These touch the pool: they run on the engine's worker.
 """
 
 import torch
 
 from service.engine.storage import Storage
+
+
+def paired_runs(a: list[int], b: list[int]) -> list[tuple[int, int, int, int]]:
+    """(index, a[index], b[index], count) for each stretch where a and b both go up by one."""
+    out: list[tuple[int, int, int, int]] = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if out:
+            start, x0, y0, n = out[-1]
+            if x == x0 + n and y == y0 + n:
+                out[-1] = (start, x0, y0, n + 1)
+                continue
+        out.append((i, x, y, 1))
+    return out
 
 
 class PageCodec:
@@ -18,26 +32,35 @@ class PageCodec:
         self.scale_nbytes = 0 if self.scales is None else self.scales[0].numel() * self.scales.element_size()
         self.page_nbytes = self.block_nbytes + self.scale_nbytes
 
-    def gather(self, pages: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """uint8 [n, page_nbytes] on the CPU (into `out` when given): one indexed read on the device,
-        one transfer to the host."""
-        ids = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        parts = [self.blocks[ids].view(torch.uint8).reshape(len(pages), -1)]
+    def _parts(self, first: int, count: int) -> list[torch.Tensor]:
+        """uint8 views [count, nbytes] of pages first..first+count-1: the blocks, then the scales."""
+        parts = [self.blocks[first : first + count].view(torch.uint8).view(count, -1)]
         if self.scales is not None:
-            parts.append(self.scales[ids].view(torch.uint8).reshape(len(pages), -1))
-        data = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        if out is None:
-            return data.cpu() if self.device.type != "cpu" else data
-        out.copy_(data)
+            parts.append(self.scales[first : first + count].view(torch.uint8).view(count, -1))
+        return parts
+
+    def read_run(self, first: int, count: int, out: torch.Tensor) -> None:
+        """Pages first.. (count of them) into `out` (uint8 [count, page_nbytes], any device): one copy."""
+        offset = 0
+        for part in self._parts(first, count):
+            out[:, offset : offset + part.shape[1]].copy_(part)
+            offset += part.shape[1]
+
+    def write_run(self, first: int, count: int, src: torch.Tensor) -> None:
+        """`src` (uint8 [count, page_nbytes], any device) into pages first..: one copy."""
+        offset = 0
+        for part in self._parts(first, count):
+            part.copy_(src[:, offset : offset + part.shape[1]])
+            offset += part.shape[1]
+
+    def gather(self, pages: list[int]) -> torch.Tensor:
+        """uint8 [n, page_nbytes] on the host: one copy per run of consecutive pages."""
+        out = torch.empty((len(pages), self.page_nbytes), dtype=torch.uint8)
+        for i, first, _, count in paired_runs(pages, pages):
+            self.read_run(first, count, out[i : i + count])
         return out
 
     def scatter(self, pages: list[int], data: torch.Tensor) -> None:
-        """Write `data` (uint8 [n, page_nbytes], any device) into `pages`: one transfer, one indexed write."""
-        n = len(pages)
-        ids = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        data = data.to(self.device, non_blocking=False)
-        blk = data[:, : self.block_nbytes].contiguous().view(self.blocks.dtype)
-        self.blocks[ids] = blk.reshape(n, *self.blocks.shape[1:])
-        if self.scales is not None:
-            sc = data[:, self.block_nbytes :].contiguous().view(self.scales.dtype)
-            self.scales[ids] = sc.reshape(n, *self.scales.shape[1:])
+        """`data` (uint8 [n, page_nbytes]) into `pages`: one copy per run of consecutive pages."""
+        for i, first, _, count in paired_runs(pages, pages):
+            self.write_run(first, count, data[i : i + count])

@@ -89,8 +89,8 @@ def test_a_failed_tier_read_restores_nothing(tmp_path: Any) -> None:
             tiers = state.tiers
             assert tiers is not None and tiers.local is not None
             disk = tiers.local
-            slot = sorted(disk.index.slots().values())[2]  # the third page's record: corrupt one byte
-            os.pwrite(disk.fd, b"\xff", slot * disk.record_nbytes + 200)
+            slot = sorted(disk.index.slots().values())[2]  # the third page's slot: its header names another
+            os.pwrite(disk.fd, b"\xff", slot * 64 + 10)
             a = state.allocator
             cached = {p: a.page_hash(p) for p in a.cached_pages()}
             assert len(cached) == 8

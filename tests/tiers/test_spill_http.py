@@ -38,8 +38,10 @@ def test_disk_full_spills_stop_counted_and_nothing_else_fails(start_server: Any,
     env = {"KVPOOL_SPILL": "disk", "KVPOOL_SPILL_BYTES": str(64 * 2200), "KVPOOL_SPILL_PATH": str(tmp_path)}
     server = start_server(env)
     c = server.client
-    # The file may not grow past 8 records of 2,112 bytes: writes beyond fail (EFBIG, like ENOSPC).
-    resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (8 * 2112, resource.RLIM_INFINITY))
+    # 66 slots of 2,048 + 64 bytes: the headers, then the data. The file may not grow past the eighth
+    # slot's data: writes beyond fail (EFBIG, like ENOSPC).
+    limit = 66 * 64 + 8 * 2048
+    resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
     first = [run_prompt(c, f"s{i}", i) for i in range(NUM_PROMPTS)]
     second = [run_prompt(c, f"s{i}", i) for i in range(NUM_PROMPTS)]
     assert metric(c, "kvpool_tier_errors_total", "disk") >= 1

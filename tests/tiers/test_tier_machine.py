@@ -155,8 +155,9 @@ class TierMachine(RuleBasedStateMachine):
             if isinstance(self.local, HostTier):
                 raw = self.local.store[slot]
             else:
-                rec = os.pread(self.local.fd, self.local.record_nbytes, slot * self.local.record_nbytes)
-                raw = torch.from_numpy(np.frombuffer(rec[64:], dtype=np.uint8).copy())
+                local = self.local
+                rec = os.pread(local.fd, local.page_nbytes, local.data_offset + slot * local.page_nbytes)
+                raw = torch.from_numpy(np.frombuffer(rec, dtype=np.uint8).copy())
             assert torch.equal(raw.view(torch.float32).reshape(page_kv(h).shape), page_kv(h)), f"slot {slot}"
 
     def teardown(self) -> None:
