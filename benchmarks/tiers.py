@@ -101,6 +101,8 @@ def mean_ms(samples: list[float]) -> float:
 
 
 def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
+    """Wall times of `repeat` calls, after one untimed call (first-touch page faults, connections)."""
+    fn()
     out = []
     for _ in range(repeat):
         start = time.perf_counter()

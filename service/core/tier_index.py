@@ -31,7 +31,10 @@ class TierIndex:
             raise ValueError("num_slots must be >= 0")
         self.num_slots = num_slots
         self._entries: OrderedDict[bytes, TierEntry] = OrderedDict()  # oldest use first
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
+        # Popped from the end: num_slots - 1 first, then down. An eviction hands over a prefix's pages
+        # tail first (the LRU order), so its pages land in ascending slots, and a restore of the prefix
+        # reads runs of consecutive slots into runs of consecutive pages: one copy per run.
+        self._free = list(range(num_slots))
         self.num_evictions = 0
 
     def __len__(self) -> int:

@@ -26,6 +26,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from service.server.state import PoolState
 
 log = logging.getLogger("kvpool.tiers")
-WRITE_BATCH = 64  # pages per remote write (one gather, one pipelined round trip)
+WRITE_BATCH_BYTES = 8 << 20  # per remote write (one gather, one pipelined round trip)
 
 
 class Tiers:
@@ -61,6 +62,7 @@ class Tiers:
         self.remote_incident = Incident("remote", log)
         self._queue: collections.deque[tuple[int, bytes, bytes]] = collections.deque()
         self._queue_max = s.remote_queue_pages
+        self._write_batch = max(1, WRITE_BATCH_BYTES // self.codec.page_nbytes)
         self._wake = asyncio.Event()
         self._quiet = False  # committing restored pages: they are in the store already
         self._io = {"read": _thread("kvpool-remote-read"), "write": _thread("kvpool-remote-write")}
@@ -174,7 +176,7 @@ class Tiers:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
+                batch = [self._queue.popleft() for _ in range(min(self._write_batch, len(self._queue)))]
                 if not self.remote_incident.usable():
                     remote.stats.skipped += len(batch)
                     continue
@@ -192,6 +194,14 @@ class Tiers:
                     continue
                 self.remote_incident.succeeded()
                 remote.stats.bytes_out += sent
+
+    def _write_pages(self, pages: list[tuple[int, np.ndarray]]) -> None:
+        # Each a read-only view into the value the store sent: one copy, into the pool. (torch warns
+        # that it cannot protect a read-only array from writes: it is only read here.)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for page, data in pages:
+                self.codec.write_run(page, 1, torch.from_numpy(data).view(1, -1))
 
     def _gather_numpy(self, pages: list[int]) -> np.ndarray:
         return self.codec.gather(pages).numpy()
@@ -275,8 +285,8 @@ class Tiers:
                 tier.stats.hits += num_local
                 tier.stats.bytes_in += num_local * self.codec.page_nbytes
             if num > num_local and self.remote is not None:
-                data = np.stack(remote[: num - num_local])
-                await self.engine.submit(lambda: self.codec.scatter(fresh[num_local:num], torch.from_numpy(data)))
+                got = list(zip(fresh[num_local:num], remote))
+                await self.engine.submit(lambda: self._write_pages(got))
                 self.remote.stats.hits += num - num_local
                 self.remote.stats.bytes_in += (num - num_local) * self.codec.page_nbytes
         except Exception as exc:

@@ -6,6 +6,7 @@ so a run of pages that lands in (or comes from) consecutive rows of a tier is on
 These touch the pool: they run on the engine's worker.
 """
 
+import numpy as np
 import torch
 
 from service.engine.storage import Storage
@@ -32,26 +33,44 @@ class PageCodec:
         self.scale_nbytes = 0 if self.scales is None else self.scales[0].numel() * self.scales.element_size()
         self.page_nbytes = self.block_nbytes + self.scale_nbytes
 
+        # On a CPU pool, numpy views of the same memory ([N + 1, nbytes] uint8): a copy of one page costs
+        # a memcpy and about a microsecond, where the same copy through torch's views costs ~40 µs.
+        self._host_parts: list[np.ndarray] | None = None
+        if self.device.type == "cpu":
+            self._host_parts = [t.view(torch.uint8).view(t.shape[0], -1).numpy() for t in self._tensors()]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.blocks] if self.scales is None else [self.blocks, self.scales]
+
     def _parts(self, first: int, count: int) -> list[torch.Tensor]:
         """uint8 views [count, nbytes] of pages first..first+count-1: the blocks, then the scales."""
-        parts = [self.blocks[first : first + count].view(torch.uint8).view(count, -1)]
-        if self.scales is not None:
-            parts.append(self.scales[first : first + count].view(torch.uint8).view(count, -1))
-        return parts
+        return [t[first : first + count].view(torch.uint8).view(count, -1) for t in self._tensors()]
 
     def read_run(self, first: int, count: int, out: torch.Tensor) -> None:
         """Pages first.. (count of them) into `out` (uint8 [count, page_nbytes], any device): one copy."""
         offset = 0
-        for part in self._parts(first, count):
-            out[:, offset : offset + part.shape[1]].copy_(part)
-            offset += part.shape[1]
+        if self._host_parts is not None and out.device.type == "cpu":
+            rows = out.numpy()
+            for part in self._host_parts:
+                np.copyto(rows[:, offset : offset + part.shape[1]], part[first : first + count])
+                offset += part.shape[1]
+            return
+        for tensor in self._parts(first, count):
+            out[:, offset : offset + tensor.shape[1]].copy_(tensor)
+            offset += tensor.shape[1]
 
     def write_run(self, first: int, count: int, src: torch.Tensor) -> None:
         """`src` (uint8 [count, page_nbytes], any device) into pages first..: one copy."""
         offset = 0
-        for part in self._parts(first, count):
-            part.copy_(src[:, offset : offset + part.shape[1]])
-            offset += part.shape[1]
+        if self._host_parts is not None and src.device.type == "cpu":
+            rows = src.numpy()
+            for part in self._host_parts:
+                np.copyto(part[first : first + count], rows[:, offset : offset + part.shape[1]])
+                offset += part.shape[1]
+            return
+        for tensor in self._parts(first, count):
+            tensor.copy_(src[:, offset : offset + tensor.shape[1]])
+            offset += tensor.shape[1]
 
     def gather(self, pages: list[int]) -> torch.Tensor:
         """uint8 [n, page_nbytes] on the host: one copy per run of consecutive pages."""

@@ -23,8 +23,8 @@ def test_reserve_evicts_the_least_recently_used_and_match_skips_pending() -> Non
     h0, k0 = page(ROOT, [1, 2])
     h1, k1 = page(h0, [3, 4])
     h2, k2 = page(ROOT, [9, 9])
+    assert t.reserve(h1, k1) == (1, [])  # slots from the top: a tail-first eviction fills them upwards
     assert t.reserve(h0, k0) == (0, [])
-    assert t.reserve(h1, k1) == (1, [])
     data = token_bytes([1, 2, 3, 4])
     assert t.match(ROOT, data, NB) == []  # pending: not visible yet
     assert t.ready(h0, 0) and t.ready(h1, 1)

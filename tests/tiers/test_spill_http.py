@@ -38,17 +38,15 @@ def test_disk_full_spills_stop_counted_and_nothing_else_fails(start_server: Any,
     env = {"KVPOOL_SPILL": "disk", "KVPOOL_SPILL_BYTES": str(64 * 2200), "KVPOOL_SPILL_PATH": str(tmp_path)}
     server = start_server(env)
     c = server.client
-    # 66 slots of 2,048 + 64 bytes: the headers, then the data. The file may not grow past the eighth
-    # slot's data: writes beyond fail (EFBIG, like ENOSPC).
-    limit = 66 * 64 + 8 * 2048
-    resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-    first = [run_prompt(c, f"s{i}", i) for i in range(NUM_PROMPTS)]
-    second = [run_prompt(c, f"s{i}", i) for i in range(NUM_PROMPTS)]
+    first = [run_prompt(c, f"s{i}", i) for i in range(8)]  # prompts 0-3 spilled to the disk
+    # The disk is full: no write may reach past byte 1 of the file (EFBIG, as ENOSPC would be).
+    resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (1, resource.RLIM_INFINITY))
+    first += [run_prompt(c, f"s{i}", i) for i in range(8, NUM_PROMPTS)]  # 4-7 evicted: their spills fail
     assert metric(c, "kvpool_tier_errors_total", "disk") >= 1
     assert metric(c, "kvpool_tier_up", "disk") == 0
-    # What fits came back (the first two prompts' pages, spilled first), the rest was recomputed:
-    hits = [cached for cached, _ in second]
-    assert hits[:2] == [16, 16] and set(hits[2:]) <= {0, 16}
+    second = [run_prompt(c, f"s{i}", i) for i in range(8)]
+    # What the disk held still comes back (reads work); what it could not take is recomputed.
+    assert [cached for cached, _ in second] == [16] * 4 + [0] * 4
     for (_, a), (_, b) in zip(first, second):
         assert same_bits(a, b)  # right data either way
     pool = c.get("/v1/pool").json()
