@@ -6,11 +6,9 @@ engine at once. Whoever got those pages writes them later through the same engin
 runs jobs in submission order, so the spill copy reads the old K/V before any new write lands
 (tests/tiers/test_ordering.py: evict, overwrite, restore, compare).
 
-Shared tier: stored() queues newly committed pages (bounded: a full queue skips and counts); a
-background task takes batches, keeps the pages still registered under the same hash, gathers them
-through the engine (after the write that committed them, which was submitted first) and writes them
-from a thread. The remote tier is written at commit, not at eviction: a prefix computed here is of
-use to the other nodes at once.
+Shared tier: stored() hands newly committed pages to the background writer (service/tiers/shared.py).
+The remote tier is written at commit, not at eviction: a prefix computed here is of use to the other
+nodes at once.
 
 Restore (restore(), awaited by POST /v1/sequences before the core's create): match the device, then
 the local tier, then the remote store; take fresh device pages for what the tiers hold, copy it in,
@@ -21,10 +19,7 @@ between, finds all the pages in the device's index and counts them in cached_tok
 """
 
 import asyncio
-import collections
-import concurrent.futures
 import dataclasses
-import functools
 import logging
 import warnings
 from collections.abc import Callable
@@ -34,17 +29,15 @@ import numpy as np
 import torch
 
 from service.core.plan import checked_token_bytes
-from service.core.tier_index import chain_hashes
 from service.tiers.local import DiskTier, HostTier, TierDataError
 from service.tiers.pages import PageCodec, paired_runs
 from service.tiers.remote import RemoteStore
-from service.tiers.stats import Incident
+from service.tiers.shared import SharedTier
 
 if TYPE_CHECKING:
     from service.server.state import PoolState
 
 log = logging.getLogger("kvpool.tiers")
-WRITE_BATCH_BYTES = 8 << 20  # per remote write (one gather, one pipelined round trip)
 
 
 class Tiers:
@@ -58,35 +51,24 @@ class Tiers:
             self.local = HostTier(self.codec, s.spill_bytes, pinned=state.storage.device.type == "cuda")
         elif s.spill == "disk":
             self.local = DiskTier(self.codec, s.spill_bytes, s.spill_path, state.instance_id)
-        self.remote = RemoteStore(s, self.codec.page_nbytes) if s.remote_url else None
-        self.remote_incident = Incident("remote", log)
-        self._queue: collections.deque[tuple[int, bytes, bytes]] = collections.deque()
-        self._queue_max = s.remote_queue_pages
-        self._write_batch = max(1, WRITE_BATCH_BYTES // self.codec.page_nbytes)
-        self._wake = asyncio.Event()
-        self._quiet = False  # committing restored pages: they are in the store already
-        self._io = {"read": _thread("kvpool-remote-read"), "write": _thread("kvpool-remote-write")}
-        self._writer: asyncio.Task[None] | None = None
+        self.remote: SharedTier | None = None
+        if s.remote_url:
+            store = RemoteStore(s, self.codec.page_nbytes)
+            self.remote = SharedTier(store, self.engine, self.allocator, self.codec, s.remote_queue_pages)
+        self._quiet = False  # committing restored pages: the store has them already
         self.allocator.listeners.append(self)
-
-    def tiers(self) -> list[HostTier | DiskTier | RemoteStore]:
-        return [t for t in (self.local, self.remote) if t is not None]
 
     def report(self) -> list[dict[str, Any]]:
         """Each tier's size, use and counts: GET /v1/pool shows them, the metrics export them."""
         out = []
-        for tier in self.tiers():
+        if self.local is not None:
+            tier, index = self.local, self.local.index
             row: dict[str, Any] = {"tier": tier.name, **dataclasses.asdict(tier.stats)}
-            if isinstance(tier, RemoteStore):
-                up = not self.remote_incident.down
-                row |= {"capacity_bytes": None, "used_bytes": None, "entries": None, "capacity_entries": None}
-                row |= {"evictions": 0, "up": up, "queued_pages": len(self._queue)}
-            else:
-                index = tier.index
-                row |= {"capacity_bytes": tier.capacity_bytes, "entries": len(index), "evictions": index.num_evictions}
-                row |= {"used_bytes": len(index) * (tier.capacity_bytes // max(index.num_slots, 1))}
-                row |= {"capacity_entries": index.num_slots, "up": not tier.incident.down, "queued_pages": 0}
-            out.append(row)
+            row |= {"capacity_bytes": tier.capacity_bytes, "entries": len(index), "evictions": index.num_evictions}
+            row |= {"used_bytes": len(index) * (tier.capacity_bytes // max(index.num_slots, 1))}
+            out.append(row | {"capacity_entries": index.num_slots, "up": not tier.incident.down, "queued_pages": 0})
+        if self.remote is not None:
+            out.append(self.remote.report())
         return out
 
     # -- the allocator's listener (on the loop, inside its calls: quick) ------------------------
@@ -103,7 +85,7 @@ class Tiers:
             self._stored(pages, hashes, token_bytes)
         except Exception as exc:
             if self.remote is not None:
-                self.remote_incident.failed(self.remote.stats, exc)
+                self.remote.incident.failed(self.remote.stats, exc)
 
     def _removed(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
         asyncio.get_running_loop()  # (raises before any slot is reserved)
@@ -156,44 +138,8 @@ class Tiers:
         tier.stats.bytes_out += len(slots) * tier.page_nbytes
 
     def _stored(self, pages: np.ndarray, hashes: np.ndarray, token_bytes: bytes) -> None:
-        if self.remote is None or self._quiet:
-            return
-        n = len(pages)
-        if len(self._queue) + n > self._queue_max:
-            self.remote.stats.skipped += n
-            return
-        size = self.token_nbytes
-        for i, page in enumerate(pages.tolist()):
-            self._queue.append((page, hashes[i].tobytes(), token_bytes[i * size : (i + 1) * size]))
-        self._wake.set()
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(self._write_remote())
-
-    async def _write_remote(self) -> None:
-        remote, loop = self.remote, asyncio.get_running_loop()
-        assert remote is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._queue:
-                batch = [self._queue.popleft() for _ in range(min(self._write_batch, len(self._queue)))]
-                if not self.remote_incident.usable():
-                    remote.stats.skipped += len(batch)
-                    continue
-                # Pages evicted (and maybe rewritten) since their commit are no longer these pages.
-                live = [b for b in batch if self.allocator.page_hash(b[0]) == b[1]]
-                if not live:
-                    continue
-                pages = [b[0] for b in live]
-                try:
-                    data = await self.engine.submit(functools.partial(self._gather_numpy, pages), False)
-                    hashes, tokens = [b[1] for b in live], [b[2] for b in live]
-                    sent = await loop.run_in_executor(self._io["write"], remote.put, hashes, tokens, data)
-                except Exception as exc:  # the store down or slow: count, skip, go on
-                    self.remote_incident.failed(remote.stats, exc)
-                    continue
-                self.remote_incident.succeeded()
-                remote.stats.bytes_out += sent
+        if self.remote is not None and not self._quiet:
+            self.remote.queue(pages, hashes, token_bytes, self.token_nbytes)
 
     def _write_pages(self, pages: list[tuple[int, np.ndarray]]) -> None:
         # Each a read-only view into the value the store sent: one copy, into the pool. (torch warns
@@ -202,9 +148,6 @@ class Tiers:
             warnings.simplefilter("ignore", UserWarning)
             for page, data in pages:
                 self.codec.write_run(page, 1, torch.from_numpy(data).view(1, -1))
-
-    def _gather_numpy(self, pages: list[int]) -> np.ndarray:
-        return self.codec.gather(pages).numpy()
 
     # -- restore --------------------------------------------------------------------------------
     async def restore(self, token_ids: list[int], tenant: str, cache_salt: str) -> None:
@@ -222,7 +165,9 @@ class Tiers:
         local = self.local.index.match(last, rest, size) if self.local else []
         if self.local is not None and not local:
             self.local.stats.misses += 1
-        remote_data = await self._remote_lookup(last, rest, len(local), max_hits - len(hits))
+        remote = self.remote
+        limit = max_hits - len(hits)
+        remote_data = await remote.lookup(last, rest, size, len(local), limit) if remote is not None else []
         if not local and not remote_data:
             return
         if hits:
@@ -243,24 +188,6 @@ class Tiers:
         finally:
             if hits:
                 self.allocator.release(np.array(hits[::-1], dtype=np.int64))
-
-    async def _remote_lookup(self, last: bytes, rest: bytes, skip: int, limit: int) -> list[np.ndarray]:
-        remote = self.remote
-        if remote is None or skip >= limit or not self.remote_incident.usable():
-            return []
-        size = self.token_nbytes
-        hashes = chain_hashes(last, rest, size, limit)[skip:]
-        tokens = [rest[i * size : (i + 1) * size] for i in range(skip, skip + len(hashes))]
-        loop = asyncio.get_running_loop()
-        try:
-            found = await loop.run_in_executor(self._io["read"], remote.get, hashes, tokens)
-        except Exception as exc:
-            self.remote_incident.failed(remote.stats, exc)
-            return []
-        self.remote_incident.succeeded()
-        if not found:
-            remote.stats.misses += 1
-        return found
 
     async def _copy_in(self, fresh: list[int], local: list[tuple[bytes, int]], remote: list[np.ndarray]) -> int:
         """Copy into `fresh` what the tiers hold, local entries first; returns how many pages came in
@@ -295,8 +222,7 @@ class Tiers:
                     tier.index.discard(page_hash, slot)
             failed = tier if num_local and tier is not None else self.remote
             if failed is not None:
-                incident = failed.incident if isinstance(failed, HostTier | DiskTier) else self.remote_incident
-                incident.failed(failed.stats, exc)
+                failed.incident.failed(failed.stats, exc)
             return 0
         return num
 
@@ -319,19 +245,14 @@ class Tiers:
 
     def stop(self) -> None:
         """No more remote writes (before the engine closes)."""
-        if self._writer is not None:
-            self._writer.cancel()
+        if self.remote is not None:
+            self.remote.stop()
 
     def close(self) -> None:
         """After the engine closed: no job can reach the tiers any more."""
-        for pool in self._io.values():
-            pool.shutdown(wait=False)
-        for tier in self.tiers():
-            tier.close()
-
-
-def _thread(name: str) -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        for tier in (self.local, self.remote):
+            if tier is not None:
+                tier.close()
 
 
 def _catching(job: Callable[[], None]) -> Callable[[], BaseException | None]:
