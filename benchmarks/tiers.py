@@ -111,62 +111,75 @@ def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
     return out
 
 
-async def restore_times(state: PoolState, a: argparse.Namespace, url: str) -> list[float]:
-    """Write a.repeat prefixes, push them out of the device, then time bringing each one back."""
+async def restore_times(
+    state: PoolState, a: argparse.Namespace, url: str, ceiling: Callable[[], Any]
+) -> list[tuple[float, float]]:
+    """Write a.repeat prefixes, push each out of the device, then time bringing it back, right after
+    timing the tier's ceiling on the same bytes (side by side: this machine is shared).
+    Returns [(restore seconds, ceiling seconds)]."""
     d = Driver(state, a)
-    times = []
+    pairs = []
+    ceiling()  # (first touch)
     for i in range(a.repeat):
         await d.write(i)
         if state.tiers is not None and state.tiers.remote is not None:
             await d.written(url, (i + 1) * (a.prefix // a.page_size))
         await d.evict_all()
         start = time.perf_counter()
+        ceiling()
+        ceiling_s = time.perf_counter() - start
+        start = time.perf_counter()
         seq_id, cached = await d.lookup(i)
-        times.append(time.perf_counter() - start)
+        pairs.append((time.perf_counter() - start, ceiling_s))
         state.sequences.free(seq_id)
         assert cached == a.prefix, f"prefix {i}: {cached} of {a.prefix} tokens came back"
-    return times
+    return pairs
 
 
-def ceilings(nbytes: int, directory: str, repeat: int) -> dict[str, list[float]]:
-    """A plain copy of the same bytes: host memory to host memory, and a read of a file just written."""
-    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
-    host = timed(lambda: dst.copy_(src), repeat)
-    path = os.path.join(directory, "ceiling.bin")
-    with open(path, "wb") as f:
-        f.write(src.numpy().tobytes())
-    buf = np.empty(nbytes, dtype=np.uint8)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        disk = timed(lambda: os.preadv(fd, [memoryview(buf.data)], 0), repeat)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return {"host": host, "disk": disk}
+class Ceilings:
+    """A plain move of the same bytes per tier: a host-to-host copy; a read of a file just written (in
+    the page cache, as the spill file is); redis-py MGETs of 32 values of a page's size (the client's
+    own ceiling, raw bytes, in database 1 of the same server)."""
+
+    def __init__(self, nbytes: int, directory: str, url: str, value_nbytes: int, num: int) -> None:
+        self.src, self.dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+        self.path = os.path.join(directory, "ceiling.bin")
+        with open(self.path, "wb") as f:
+            f.write(self.src.numpy().tobytes())
+        self.buf = np.empty(nbytes, dtype=np.uint8)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        self.client = redis.Redis.from_url(url.rsplit("/", 1)[0] + "/1")
+        self.keys = [f"ceiling:{i}" for i in range(num)]
+        value = os.urandom(value_nbytes)
+        self.client.mset({k: value for k in self.keys})
+
+    def host(self) -> None:
+        self.dst.copy_(self.src)
+
+    def disk(self) -> None:
+        os.preadv(self.fd, [memoryview(self.buf.data)], 0)
+
+    def remote(self) -> None:
+        for s in range(0, len(self.keys), 32):
+            self.client.mget(self.keys[s : s + 32])
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+        self.client.flushdb()
 
 
-def remote_ceiling(url: str, port: int, value_nbytes: int, num: int, repeat: int) -> dict[str, float]:
-    """Bulk GETs of values of our size on loopback: redis-py MGETs of 32 (our client, raw bytes) and the
-    redis-benchmark binary (GET, 1 client, pipeline 32). Bytes per second."""
-    client = redis.Redis.from_url(url)
-    value = os.urandom(value_nbytes)
-    keys = [f"ceiling:{i}" for i in range(num)]
-    client.mset({k: value for k in keys})
-
-    def mget_all() -> None:
-        for s in range(0, num, 32):
-            client.mget(keys[s : s + 32])
-
-    out = {"redis-py MGET": num * value_nbytes / statistics.fmean(timed(mget_all, repeat))}
-    client.delete(*keys)
+def redis_benchmark(port: int, value_nbytes: int, num: int) -> float | None:
+    """GB/s of the redis-benchmark binary's GETs of values of our size (1 client, pipeline 32)."""
     binary = shutil.which("redis-benchmark") or shutil.which("valkey-benchmark")
-    if binary:
-        cmd = [binary, "-p", str(port), "-t", "set,get", "-d", str(value_nbytes), "-n", str(num * repeat)]
-        run = subprocess.run([*cmd, "-c", "1", "-P", "32", "--csv"], capture_output=True, text=True, timeout=300)
-        for line in run.stdout.splitlines():
-            if line.startswith('"GET"'):
-                out["redis-benchmark GET"] = float(line.split(",")[1].strip('"')) * value_nbytes
-    return out
+    if binary is None:
+        return None
+    cmd = [binary, "-p", str(port), "-t", "set,get", "-d", str(value_nbytes), "-n", str(num), "-c", "1", "-P", "32"]
+    run = subprocess.run([*cmd, "--csv"], capture_output=True, text=True, timeout=300)
+    for line in run.stdout.splitlines():
+        if line.startswith('"GET"'):
+            return float(line.split(",")[1].strip('"')) * value_nbytes / 1e9
+    return None
 
 
 async def hit_rate(a: argparse.Namespace, device_pages: int, tiers: dict[str, Any]) -> float:
@@ -229,29 +242,34 @@ async def run(a: argparse.Namespace) -> None:
             "disk": dict(spill="disk", spill_bytes=tier_bytes, spill_path=directory),
             "remote": dict(remote_url=store.url),
         }
-        ceiling = ceilings(nbytes, directory, a.repeat)
-        ceiling_rate = {name: nbytes / statistics.fmean(times) for name, times in ceiling.items()}
-        remote_rates = remote_ceiling(store.url, store.port, probe.page_nbytes + 150, pages_per_prefix, a.repeat)
-        ceiling_rate["remote"] = max(remote_rates.values())
+        value_nbytes = probe.page_nbytes + 150  # the remote value: the page, its token ids, a header
+        ceilings = Ceilings(nbytes, directory, store.url, value_nbytes, pages_per_prefix)
         recompute_ms = a.prefix * PREFILL_MS_PER_TOKEN
         print(f"\nrecompute: prefill of the vLLM benchmark's model, {a.prefix} tokens: {recompute_ms:.0f} ms")
-        for name, rate in remote_rates.items():
-            print(f"remote ceiling, {name} of {probe.page_nbytes + 150} B values on loopback: {rate / 1e9:.2f} GB/s")
-        print(
-            f"\n{'tier':8} {'restore ms':>11} {'GB/s':>7} {'ceiling GB/s':>13} {'of ceiling':>11} {'vs recompute':>13}"
-        )
-        for name, tiers in configs.items():
-            state = PoolState(settings(a, device_pages, **tiers))
-            try:
-                times = await restore_times(state, a, store.url)
-            finally:
-                state.close()
-            rate = nbytes / statistics.fmean(times)
-            share = rate / ceiling_rate[name]
-            speedup = recompute_ms / mean_ms(times)
-            figures = f"{mean_ms(times):11.1f} {rate / 1e9:7.2f} {ceiling_rate[name] / 1e9:13.2f}"
-            print(f"{name:8} {figures} {share:10.0%} {speedup:12.1f}x")
-            redis.Redis.from_url(store.url).flushdb()
+        bench_gbs = redis_benchmark(store.port, value_nbytes, 4 * pages_per_prefix)
+        if bench_gbs is not None:
+            print(f"redis-benchmark GET of {value_nbytes} B values (1 client, pipeline 32): {bench_gbs:.2f} GB/s")
+        print("ceilings, each timed just before each restore: host a memcpy, disk a read of a cached file,")
+        print("remote redis-py MGETs of the same value size; 'of ceiling': median ceiling time / restore time")
+        head = f"{'restore ms':>11} {'GB/s':>6} {'ceiling ms':>11} {'of ceiling':>11} {'vs recompute':>13}"
+        print(f"\n{'tier':8} {head}")
+        try:
+            for name, tiers in configs.items():
+                state = PoolState(settings(a, device_pages, **tiers))
+                try:
+                    pairs = await restore_times(state, a, store.url, getattr(ceilings, name))
+                finally:
+                    state.close()
+                restore, ceiling = [p[0] for p in pairs], [p[1] for p in pairs]
+                share = statistics.median(c / r for r, c in pairs)
+                speedup = recompute_ms / mean_ms(restore)
+                gbs = nbytes / statistics.fmean(restore) / 1e9
+                figures = f"{mean_ms(restore):11.1f} {gbs:6.2f} {mean_ms(ceiling):11.1f} {share:10.0%}"
+                extra = f"   ({gbs / bench_gbs:.0%} of redis-benchmark)" if name == "remote" and bench_gbs else ""
+                print(f"{name:8} {figures} {speedup:12.1f}x{extra}")
+                redis.Redis.from_url(store.url).flushdb()
+        finally:
+            ceilings.close()
         print(f"\nhit rate, {a.requests} uniform draws among {a.prefixes} prefixes (device pool: {a.device_prefixes}):")
         alone = await hit_rate(a, device_pages, {})
         print(f"  device pool alone: {alone:.1%}")

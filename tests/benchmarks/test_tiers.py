@@ -23,7 +23,7 @@ def test_quick_run_restores_from_every_tier_and_reports_figures() -> None:
     assert proc.returncode == 0, out
     assert "working set 8 prefixes (x3.9)" in out
     for tier in ("host", "disk", "remote"):
-        assert re.search(rf"^{tier}\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+%\s+\d+\.\dx$", out, re.M), out
+        assert re.search(rf"^{tier}\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+%\s+\d+\.\dx", out, re.M), out
     alone = float(re.search(r"device pool alone: (\d+\.\d)%", out)[1])  # type: ignore[index]
     assert 0 < alone < 50
     for tier in ("host", "disk"):  # the local tiers hold the whole working set: every prompt hits
