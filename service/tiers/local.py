@@ -30,6 +30,7 @@ log = logging.getLogger("kvpool.tiers")
 HEADER = struct.Struct("<8s32s")  # magic, the page's hash: which page a slot holds
 MAGIC = b"kvpool1\x00"
 HEADER_NBYTES = 64  # the header padded
+IOV_MAX = 1024  # buffers per preadv (Linux's limit)
 
 
 class TierDataError(Exception):
@@ -109,20 +110,26 @@ class DiskTier:
             _pwrite_all(self.fd, data[i : i + count], self.data_offset + first * self.page_nbytes)
             _pwrite_all(self.fd, headers[i : i + count], first * HEADER_NBYTES)
 
-    def read(self, slots: list[int], hashes: list[bytes], out: np.ndarray) -> "Future[None]":
-        """Queue a read of `slots` (whose pages are `hashes`) into `out` (uint8 [n, page_nbytes], host
-        memory: a staging buffer, or the pool's own pages) on the IO thread; TierDataError if a slot
-        holds another page."""
-        return self.io.submit(self._read, slots, hashes, out)
+    def read(self, slots: list[int], hashes: list[bytes], dests: list[np.ndarray]) -> "Future[None]":
+        """Queue a read of `slots` (whose pages are `hashes`) into `dests` (one contiguous uint8 array of
+        page_nbytes per slot, host memory: a staging buffer's rows, or the pool's own pages) on the IO
+        thread: one preadv per run of consecutive slots, whatever the destinations; TierDataError if a
+        slot holds another page."""
+        return self.io.submit(self._read, slots, hashes, dests)
 
-    def _read(self, slots: list[int], hashes: list[bytes], out: np.ndarray) -> None:
+    def _read(self, slots: list[int], hashes: list[bytes], dests: list[np.ndarray]) -> None:
         for i, first, _, count in paired_runs(slots, slots):
             headers = os.pread(self.fd, count * HEADER_NBYTES, first * HEADER_NBYTES)
             for j in range(count):
                 magic, stored = HEADER.unpack_from(headers, j * HEADER_NBYTES)
                 if magic != MAGIC or stored != hashes[i + j]:
                     raise TierDataError(f"slot {first + j} does not hold the page asked for")
-            _pread_all(self.fd, out[i : i + count], self.data_offset + first * self.page_nbytes)
+            offset = self.data_offset + first * self.page_nbytes
+            for start in range(i, i + count, IOV_MAX):
+                bufs = [memoryview(d.data) for d in dests[start : min(start + IOV_MAX, i + count)]]
+                got = os.preadv(self.fd, bufs, offset + (start - i) * self.page_nbytes)
+                if got != len(bufs) * self.page_nbytes:
+                    raise TierDataError(f"short read at slot {first + start - i}")
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
@@ -136,13 +143,3 @@ def _pwrite_all(fd: int, rows: np.ndarray, offset: int) -> None:
         if written <= 0:
             raise OSError("pwrite wrote nothing")
         done += written
-
-
-def _pread_all(fd: int, rows: np.ndarray, offset: int) -> None:
-    assert rows.flags.c_contiguous
-    buf, done = memoryview(rows.reshape(-1).data), 0
-    while done < len(buf):
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got <= 0:
-            raise TierDataError(f"short read at offset {offset + done}")
-        done += got

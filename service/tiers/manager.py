@@ -30,7 +30,7 @@ import torch
 
 from service.core.plan import checked_token_bytes
 from service.tiers.local import DiskTier, HostTier, TierDataError
-from service.tiers.pages import PageCodec, paired_runs
+from service.tiers.pages import PageCodec
 from service.tiers.remote import RemoteStore
 from service.tiers.shared import SharedTier
 
@@ -232,16 +232,11 @@ class Tiers:
         elsewhere through a host buffer and an engine copy."""
         if not tier.direct:
             staging = np.empty((len(pages), self.codec.page_nbytes), dtype=np.uint8)
-            await asyncio.wrap_future(tier.read(slots, hashes, staging))
+            await asyncio.wrap_future(tier.read(slots, hashes, list(staging)))
             await self.engine.submit(lambda: self.codec.scatter(pages, torch.from_numpy(staging)))
             return
         await self.engine.submit(lambda: None)
-        reads = []
-        for i, first, _, count in paired_runs(pages, pages):
-            rows = self.codec.blocks[first : first + count].view(torch.uint8).view(count, -1).numpy()
-            reads.append(tier.read(slots[i : i + count], hashes[i : i + count], rows))
-        for read in reads:
-            await asyncio.wrap_future(read)
+        await asyncio.wrap_future(tier.read(slots, hashes, [self.codec.host_page(p) for p in pages]))
 
     def stop(self) -> None:
         """No more remote writes (before the engine closes)."""

@@ -39,6 +39,11 @@ class PageCodec:
         if self.device.type == "cpu":
             self._host_parts = [t.view(torch.uint8).view(t.shape[0], -1).numpy() for t in self._tensors()]
 
+    def host_page(self, page: int) -> np.ndarray:
+        """The bytes of `page` in place (uint8 [page_nbytes]): CPU pools without FP8 scales only."""
+        assert self._host_parts is not None and len(self._host_parts) == 1
+        return self._host_parts[0][page]
+
     def _tensors(self) -> list[torch.Tensor]:
         return [self.blocks] if self.scales is None else [self.blocks, self.scales]
 
