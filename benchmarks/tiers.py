@@ -120,6 +120,7 @@ async def restore_times(
     d = Driver(state, a)
     pairs = []
     ceiling()  # (first touch)
+    state.storage.blocks.zero_()  # fault the pool's pages in, as a server that has run a while has
     for i in range(a.repeat):
         await d.write(i)
         if state.tiers is not None and state.tiers.remote is not None:
