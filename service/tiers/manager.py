@@ -152,9 +152,15 @@ class Tiers:
     # -- restore --------------------------------------------------------------------------------
     async def restore(self, token_ids: list[int], tenant: str, cache_salt: str) -> None:
         """Bring back the pages of the prompt that the device lacks and the tiers hold (see the module
-        docstring); never raises for a tier's failure (the hit is then shorter)."""
+        docstring); never raises for a tier's failure (the hit is then shorter).
+
+        Shielded: a caller cancelled meanwhile (a client gone) leaves the restore to finish, so fresh
+        pages are never freed while a copy into them may still run (on the IO thread, say)."""
         if not self.allocator.enable_prefix_caching:
             return
+        await asyncio.shield(self._restore(token_ids, tenant, cache_salt))
+
+    async def _restore(self, token_ids: list[int], tenant: str, cache_salt: str) -> None:
         hits, last, _ = self.state.sequences.prefixes.match(token_ids, tenant, cache_salt)
         max_hits = (len(token_ids) - 1) // self.page_size
         if len(hits) >= max_hits:
@@ -177,14 +183,16 @@ class Tiers:
             if num <= 0:
                 return
             fresh = self.allocator.allocate(num).tolist()
-            num = await self._copy_in(fresh, local, remote_data)
-            if num:  # all copies in: commit what came back, chained after the device hits
-                self._quiet = True
-                try:
-                    self.allocator.commit(fresh[:num], last, rest[: num * size], size)
-                finally:
-                    self._quiet = False
-            self.allocator.release(np.array(fresh[::-1], dtype=np.int64))
+            try:
+                num = await self._copy_in(fresh, local, remote_data)
+                if num:  # all copies in: commit what came back, chained after the device hits
+                    self._quiet = True
+                    try:
+                        self.allocator.commit(fresh[:num], last, rest[: num * size], size)
+                    finally:
+                        self._quiet = False
+            finally:  # cached if committed, free if not
+                self.allocator.release(np.array(fresh[::-1], dtype=np.int64))
         finally:
             if hits:
                 self.allocator.release(np.array(hits[::-1], dtype=np.int64))

@@ -51,28 +51,30 @@ class PageCodec:
         """uint8 views [count, nbytes] of pages first..first+count-1: the blocks, then the scales."""
         return [t[first : first + count].view(torch.uint8).view(count, -1) for t in self._tensors()]
 
-    def read_run(self, first: int, count: int, out: torch.Tensor) -> None:
+    def read_run(self, first: int, count: int, out: torch.Tensor | np.ndarray) -> None:
         """Pages first.. (count of them) into `out` (uint8 [count, page_nbytes], any device): one copy."""
         offset = 0
-        if self._host_parts is not None and out.device.type == "cpu":
-            rows = out.numpy()
+        if self._host_parts is not None and (isinstance(out, np.ndarray) or out.device.type == "cpu"):
+            rows = out if isinstance(out, np.ndarray) else out.numpy()
             for part in self._host_parts:
                 np.copyto(rows[:, offset : offset + part.shape[1]], part[first : first + count])
                 offset += part.shape[1]
             return
+        assert isinstance(out, torch.Tensor)
         for tensor in self._parts(first, count):
             out[:, offset : offset + tensor.shape[1]].copy_(tensor)
             offset += tensor.shape[1]
 
-    def write_run(self, first: int, count: int, src: torch.Tensor) -> None:
+    def write_run(self, first: int, count: int, src: torch.Tensor | np.ndarray) -> None:
         """`src` (uint8 [count, page_nbytes], any device) into pages first..: one copy."""
         offset = 0
-        if self._host_parts is not None and src.device.type == "cpu":
-            rows = src.numpy()
+        if self._host_parts is not None and (isinstance(src, np.ndarray) or src.device.type == "cpu"):
+            rows = src if isinstance(src, np.ndarray) else src.numpy()
             for part in self._host_parts:
                 np.copyto(part[first : first + count], rows[:, offset : offset + part.shape[1]])
                 offset += part.shape[1]
             return
+        assert isinstance(src, torch.Tensor)
         for tensor in self._parts(first, count):
             tensor.copy_(src[:, offset : offset + tensor.shape[1]])
             offset += tensor.shape[1]

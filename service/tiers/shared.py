@@ -72,6 +72,7 @@ class SharedTier:
                 if not self.incident.usable():
                     self.stats.skipped += len(batch)
                     continue
+                # Pages evicted since their commit (and maybe rewritten) are no longer those pages.
                 live = [b for b in batch if self.allocator.page_hash(b[0]) == b[1]]
                 if not live:
                     continue

@@ -39,6 +39,10 @@ def test_disk_full_spills_stop_counted_and_nothing_else_fails(start_server: Any,
     server = start_server(env)
     c = server.client
     first = [run_prompt(c, f"s{i}", i) for i in range(8)]  # prompts 0-3 spilled to the disk
+    deadline = time.monotonic() + 10
+    while c.get("/v1/pool").json()["tiers"][0]["bytes_out"] < 16 * 2048:  # (written by the IO thread)
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     # The disk is full: no write may reach past byte 1 of the file (EFBIG, as ENOSPC would be).
     resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (1, resource.RLIM_INFINITY))
     first += [run_prompt(c, f"s{i}", i) for i in range(8, NUM_PROMPTS)]  # 4-7 evicted: their spills fail

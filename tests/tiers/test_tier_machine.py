@@ -170,9 +170,8 @@ class DiskTierMachine(TierMachine):
     tier = "disk"
 
 
+SETTINGS = settings(max_examples=30, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck))
+TierMachine.TestCase.settings = SETTINGS
+DiskTierMachine.TestCase.settings = SETTINGS
 TestHostTier = TierMachine.TestCase
 TestDiskTier = DiskTierMachine.TestCase
-for case in (TestHostTier, TestDiskTier):
-    case.settings = settings(
-        max_examples=30, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
-    )
