@@ -156,3 +156,29 @@ def test_fp8_scales_and_mla_latents_come_back_bit_for_bit(tier: str, fmt: str, t
             state.close()
 
     asyncio.run(scenario())
+
+
+def test_a_cancelled_restore_finishes_and_leaks_nothing(tmp_path: Any) -> None:
+    async def scenario() -> None:
+        state = make_state("disk", tmp_path)
+        try:
+            await write_prompt(state, "a", 1)
+            state.sequences.create("b")
+            await evict_behind_a_busy_worker(state)
+            assert state.tiers is not None
+            task = asyncio.get_running_loop().create_task(state.tiers.restore([*prompt(1), 7], "", ""))
+            for _ in range(3):  # into its copies
+                await asyncio.sleep(0)
+            task.cancel()  # the client went away
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):  # the shielded restore goes on
+                await asyncio.sleep(0.01)
+            a = state.allocator
+            assert a.num_used == 0 and a.num_cached + a.num_free == 8
+            seq = state.sequences.create("a2", [*prompt(1), 7])
+            assert seq.cached_tokens == 16 and pages_hold(state, state.sequences.block_table(seq), 1)
+        finally:
+            state.close()
+
+    asyncio.run(scenario())
