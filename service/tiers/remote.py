@@ -17,6 +17,7 @@ writes: a background batch), each command bounded by KVPOOL_REMOTE_TIMEOUT_S, no
 failure is counted, the tier skipped for a second, and the next call reconnects.
 """
 
+import hashlib
 import struct
 import zlib
 
@@ -83,20 +84,41 @@ class RemoteStore:
         )
         self.stats = TierStats()
 
-    def get(self, hashes: list[bytes], token_bytes: list[bytes]) -> list[np.ndarray]:
-        """The leading run of pages found intact: MGETs of READ_BATCH keys, one round trip each, until
-        a batch comes back short; raises redis errors."""
+    def get(self, parent: bytes, data: bytes, page_nbytes: int, skip: int, limit: int) -> list[np.ndarray]:
+        """The pages of `data` (token bytes chained after the page hashed `parent`) from page `skip` on,
+        up to `limit` pages, as long as the store holds them intact: MGETs of READ_BATCH keys, one round
+        trip each, hashing only as far as it reads (on the caller's thread, not the loop); raises redis
+        errors."""
+        num = min(limit, len(data) // page_nbytes)
         found: list[np.ndarray] = []
-        for start in range(0, len(hashes), READ_BATCH):
-            keys = [page_key(self.geometry, h) for h in hashes[start : start + READ_BATCH]]
-            values: list[bytes | None] = self.client.mget(keys)  # type: ignore[assignment]
-            for i, value in enumerate(values, start):
-                data = decode_value(value, value_prefix(self.geometry, hashes[i], token_bytes[i]), self.page_nbytes)
-                if data is None:
-                    if value is not None:
-                        self.stats.rejected += 1
-                    return found
-                found.append(data)
+        hashes: list[bytes] = []
+        tokens: list[bytes] = []
+        for i in range(num):
+            page = data[i * page_nbytes : (i + 1) * page_nbytes]
+            parent = hashlib.sha256(parent + page).digest()
+            if i < skip:
+                continue
+            hashes.append(parent)
+            tokens.append(page)
+            if len(hashes) == READ_BATCH or i == num - 1:
+                got = self._get_batch(hashes, tokens)
+                found += got
+                if len(got) < len(hashes):
+                    break
+                hashes, tokens = [], []
+        return found
+
+    def _get_batch(self, hashes: list[bytes], token_bytes: list[bytes]) -> list[np.ndarray]:
+        """The leading run of `hashes` found intact, one MGET."""
+        values: list[bytes | None] = self.client.mget([page_key(self.geometry, h) for h in hashes])  # type: ignore[assignment]
+        found: list[np.ndarray] = []
+        for value, page_hash, tokens in zip(values, hashes, token_bytes):
+            data = decode_value(value, value_prefix(self.geometry, page_hash, tokens), self.page_nbytes)
+            if data is None:
+                if value is not None:
+                    self.stats.rejected += 1
+                break
+            found.append(data)
         return found
 
     def put(self, hashes: list[bytes], token_bytes: list[bytes], data: np.ndarray) -> int:

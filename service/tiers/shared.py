@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from service.core.allocator import PageAllocator
-from service.core.tier_index import chain_hashes
 from service.engine.engine import Engine
 from service.tiers.pages import PageCodec
 from service.tiers.remote import RemoteStore
@@ -95,10 +94,9 @@ class SharedTier:
         store holds intact, in order, up to `limit` pages in all; [] if the tier is failing."""
         if skip >= limit or not self.incident.usable():
             return []
-        hashes = chain_hashes(last, rest, page_nbytes, limit)[skip:]
-        tokens = [rest[i * page_nbytes : (i + 1) * page_nbytes] for i in range(skip, skip + len(hashes))]
+        get = functools.partial(self.store.get, last, rest, page_nbytes, skip, limit)
         try:
-            found = await asyncio.get_running_loop().run_in_executor(self._read, self.store.get, hashes, tokens)
+            found = await asyncio.get_running_loop().run_in_executor(self._read, get)
         except Exception as exc:
             self.incident.failed(self.stats, exc)
             return []

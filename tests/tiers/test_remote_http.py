@@ -104,6 +104,12 @@ def test_poisoned_entries_are_never_loaded(start_server: Any, redis_server: Redi
     c = start_server(remote_env(redis_server)).client
     assert c.post("/v1/sequences", json={"token_ids": [*prompt(3), 7]}).json()["cached_tokens"] == PAGE
     assert metric(c, "kvpool_tier_rejected_total", "remote") == 1
+    # Page 1 under its key, intact, but from a pool of another geometry (a value of the same size).
+    other = "L2.H2.D16.P4.float3X"
+    store.set(page_key(GEOMETRY, hashes[1]), encode_value(value_prefix(other, hashes[1], toks[1]), data))
+    c.post("/v1/sequences", json={"seq_id": "q", "token_ids": [*prompt(3), 7]})
+    assert c.get("/v1/sequences/q").json()["cached_tokens"] == PAGE
+    assert metric(c, "kvpool_tier_rejected_total", "remote") == 2
 
 
 def test_tenants_never_share_through_the_store(start_server: Any, redis_server: RedisServer) -> None:
