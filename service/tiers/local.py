@@ -9,7 +9,10 @@ never sees the wrong data):
 - Disk: the engine job gathers the pages into host memory and hands the write to the tier's one IO
   thread; an entry becomes visible to lookups only when its write has landed (ready()), and reads go
   to the same IO thread, so a read queued for a ready entry runs before any later overwrite of its
-  slot. Each slot's header names its page, checked on every read.
+  slot. Each slot's header names its page, checked on every read. On a CPU pool a restore's read
+  lands straight in its fresh pool pages from the IO thread (no staging copy): they are that restore's
+  alone until it commits them, and it reads only after an engine barrier, so the spills of their old
+  content have run (Tiers._read_disk).
 """
 
 import logging
