@@ -54,6 +54,30 @@ class Settings(BaseSettings):
     mla: bool = False
     kv_lora_rank: int = Field(512, ge=1, le=4096, description="MLA: value width, < head_dim")
 
+    # Tiers below the device (service/tiers/): evicted pages spill to host memory or a disk file, and
+    # committed pages go to a shared Redis/Valkey store; a prefix lookup continues into them.
+    spill: Literal["none", "host", "disk"] = Field(
+        "none", description="the node's second tier: host (pinned memory on CUDA) or disk (a file in spill_path)"
+    )
+    spill_bytes: int = Field(2**30, ge=0, description="capacity of the spill tier in bytes")
+    spill_path: str = Field("", description="disk spill: the directory of the spill file (a local NVMe)")
+    remote_url: str = Field("", description="the shared tier: redis://host:6379/0 (Redis or Valkey); empty: off")
+    remote_ttl_s: int = Field(3600, ge=1, description="TTL of each page written to the shared tier")
+    remote_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False, description="per command to the store")
+    remote_queue_pages: int = Field(4096, ge=1, description="pages queued for the shared tier; more are skipped")
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> "Settings":
+        if (self.spill != "none" or self.remote_url) and not self.enable_prefix_caching:
+            raise ValueError("KVPOOL_SPILL and KVPOOL_REMOTE_URL need KVPOOL_ENABLE_PREFIX_CACHING=true")
+        if self.spill == "disk" and not self.spill_path:
+            raise ValueError("KVPOOL_SPILL=disk needs KVPOOL_SPILL_PATH, a directory for the spill file")
+        if self.spill != "none" and self.spill_bytes < self.page_nbytes + 64:
+            raise ValueError(f"KVPOOL_SPILL_BYTES={self.spill_bytes} holds no page of {self.page_nbytes} bytes")
+        if self.remote_url and not self.remote_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("KVPOOL_REMOTE_URL must be a redis://, rediss:// or unix:// URL")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _geometry_from_model(cls, data: Any) -> Any:

@@ -71,6 +71,8 @@ class PoolCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        if state.tiers is not None:
+            yield from tier_metrics(state.tiers.report())
         info = GaugeMetricFamily(
             "kvpool_info",
             "The pool's settings; always 1.",
@@ -79,6 +81,40 @@ class PoolCollector(Collector):
         device = str(state.storage.device)
         info.add_metric([__version__, device, s.dtype, str(s.page_size), str(s.num_pages), str(s.num_layers)], 1)
         yield info
+
+
+TIER_COUNTERS = {
+    "hits": "Pages restored from the tier into the device.",
+    "misses": "Prefix lookups that reached the tier and found not even the next page there.",
+    "bytes_in": "Bytes read back from the tier into the device.",
+    "bytes_out": "Bytes written to the tier.",
+    "evictions": "Entries the tier dropped to make room (its own LRU).",
+    "errors": "Failed reads or writes of the tier (store down or slow, disk full, bad data).",
+    "skipped": "Pages not written to the tier: its queue full, or the tier failing.",
+    "rejected": "Entries found but not loaded: token ids, geometry or checksum not matching.",
+}
+TIER_GAUGES = {
+    "used_bytes": "Bytes the tier holds (local tiers).",
+    "capacity_bytes": "Bytes the tier can hold (local tiers).",
+    "entries": "Pages the tier holds (local tiers).",
+    "up": "1 while the tier works, 0 during an incident.",
+    "queued_pages": "Pages waiting to be written to the tier.",
+}
+
+
+def tier_metrics(rows: list[dict[str, Any]]) -> Iterable[Metric]:
+    """kvpool_tier_*{tier="host|disk|remote"} from Tiers.report()."""
+    for key, doc in TIER_COUNTERS.items():
+        counter = CounterMetricFamily(f"kvpool_tier_{key}", doc, labels=["tier"])
+        for row in rows:
+            counter.add_metric([row["tier"]], row[key])
+        yield counter
+    for key, doc in TIER_GAUGES.items():
+        gauge = GaugeMetricFamily(f"kvpool_tier_{key}", doc, labels=["tier"])
+        for row in rows:
+            if row[key] is not None:
+                gauge.add_metric([row["tier"]], float(row[key]))
+        yield gauge
 
 
 class Metrics:

@@ -14,6 +14,7 @@ from service.core.sequences import Sequence, SequenceTable
 from service.engine.engine import Engine
 from service.engine.storage import Storage
 from service.ipc.fd_socket import FdServer
+from service.tiers.manager import Tiers
 
 if TYPE_CHECKING:
     from service.events.publisher import EventPublisher
@@ -35,6 +36,14 @@ class PoolState:
             self.engine.close()
             self.storage.close()
             raise
+        self.tiers: Tiers | None = None
+        if settings.spill != "none" or settings.remote_url:
+            try:
+                self.tiers = Tiers(self)
+            except BaseException:
+                self.engine.close()
+                self.storage.close()
+                raise
         self.ready = True
 
     def open_ipc_socket(self, authorize: Callable[[str | None], None]) -> None:
@@ -70,7 +79,11 @@ class PoolState:
         if self.ipc_socket is not None:
             self.ipc_socket.close()
             self.ipc_socket = None
+        if self.tiers is not None:
+            self.tiers.stop()
         self.engine.close()
+        if self.tiers is not None:
+            self.tiers.close()
         self.storage.close()
 
 

@@ -179,6 +179,24 @@ class AttendOut(Answer):
     out: TensorOut
 
 
+class TierOut(Answer):
+    tier: Literal["host", "disk", "remote"]
+    capacity_bytes: int | None = Field(description="local tiers: bytes it can hold; null for the remote store")
+    used_bytes: int | None
+    capacity_entries: int | None
+    entries: int | None = Field(description="pages it holds (local tiers)")
+    up: bool = Field(description="false during an incident (store down, disk full)")
+    queued_pages: int = Field(description="pages waiting to be written (remote)")
+    hits: int = Field(description="pages restored from it")
+    misses: int
+    bytes_in: int
+    bytes_out: int
+    evictions: int
+    errors: int
+    skipped: int = Field(description="pages not written: queue full or tier failing")
+    rejected: int = Field(description="entries found but not loaded (tokens, geometry or checksum)")
+
+
 class PoolOut(Answer):
     num_layers: int
     num_kv_heads: int
@@ -204,6 +222,7 @@ class PoolOut(Answer):
     quant_granularity: int | None = Field(None, description="FP8 pools: channels per scale")
     mla: bool = False
     kv_lora_rank: int | None = Field(None, description="MLA pools: value channels of the latent")
+    tiers: list[TierOut] = Field([], description="the tiers below the device (KVPOOL_SPILL, KVPOOL_REMOTE_URL)")
 
 
 class PrefixMatch(Strict):

@@ -38,7 +38,7 @@ def load_yaml(path: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def live_server() -> Iterator[Server]:
-    server = Server(dict(SMALL_POOL))
+    server = Server({**SMALL_POOL, "KVPOOL_SPILL": "host", "KVPOOL_SPILL_BYTES": "65536"})  # tier metrics too
     yield server
     server.stop()
 
@@ -110,6 +110,8 @@ def test_every_dashboard_query_names_an_exported_metric(exported_names: set[str]
         "kvpool_attention_duration_seconds_bucket",
         "kvpool_kv_events_published_total",
         "kvpool_kv_events_dropped_total",
+        "kvpool_tier_hits_total",
+        "kvpool_tier_errors_total",
     } <= queried
     quantiles = [t["expr"] for p in all_panels(dashboard()["panels"]) for t in p.get("targets", [])]
     for histogram in ("kvpool_request_duration_seconds", "kvpool_attention_duration_seconds"):
@@ -167,13 +169,13 @@ def test_prometheus_scrapes_kvpool_metrics_endpoint(live_server: Server) -> None
         for target in static["targets"]:
             host, port = target.split(":")
             assert host in compose["services"], target
-            assert f"{port}:{port}" in compose["services"][host]["ports"], target
+            assert any(p.split(":")[-1] == port for p in compose["services"][host]["ports"]), target
 
 
 def test_compose_file_is_valid_and_its_paths_exist() -> None:
     text = (DEPLOY / "compose.yaml").read_text()
     parsed = PyCompose.from_yaml(text)  # the compose spec, strictly: unknown keys are errors
-    assert sorted(parsed.service_names()) == ["grafana", "kvpool", "prometheus"]
+    assert sorted(parsed.service_names()) == ["grafana", "kvpool", "kvpool-b", "prometheus", "valkey"]
     with pytest.raises(ValueError):
         PyCompose.from_yaml(text.replace("    ipc: host", "    ipc_mode: host"))
     compose = load_yaml(DEPLOY / "compose.yaml")
@@ -197,6 +199,11 @@ def test_compose_file_is_valid_and_its_paths_exist() -> None:
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"] and len(gpu["device_ids"]) == 1
     for setting, value in kvpool["environment"].items():
         assert setting.startswith("KVPOOL_") and str(value)
+    # The second kvpool shares the store and the geometry, on another GPU.
+    second = compose["services"]["kvpool-b"]
+    assert second["environment"] == kvpool["environment"]
+    assert second["environment"]["KVPOOL_REMOTE_URL"] == "redis://valkey:6379/0"
+    assert second["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] != gpu["device_ids"]
 
 
 # -- Kubernetes -----------------------------------------------------------------------------------

@@ -1,0 +1,292 @@
+"""`kvpool bench tiers`: getting a 4,096-token prefix back from each tier, against a plain copy of the
+same bytes (the tier's ceiling) and against recomputing it; and the hit rate of a workload whose
+working set is 4x the device pool, with the tiers and without.
+
+In process: a PoolState on the CPU (the server's own state: allocator, engine, tiers) driven as the
+routes drive it, and a redis-server subprocess on a free loopback port for the remote tier. The
+default geometry is the KV of the model `python -m benchmarks.vllm_connector` runs (8 layers, 4 KV
+heads of 64, float32; page 16): its prefill is the recompute time quoted (BENCHMARKS.md).
+"""
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+
+from service.cli import free_port
+from service.config import Settings
+from service.server.state import PoolState
+from service.tiers.local import DiskTier
+
+# Prefill of the vLLM benchmark's model on this machine (BENCHMARKS.md, "vLLM with kvpool's KV connector":
+# cold TTFT of 2,048 tokens 342-363 ms on an idle machine); linear in the prompt length at this size.
+PREFILL_MS_PER_TOKEN = 342 / 2048
+
+
+def settings(a: argparse.Namespace, pages: int, **tiers: Any) -> Settings:
+    geometry = dict(num_layers=a.layers, num_kv_heads=a.kv_heads, head_dim=a.head_dim, page_size=a.page_size)
+    return Settings(**geometry, num_pages=pages, device="cpu", dtype="float32", **tiers)
+
+
+class Driver:
+    """Drives a PoolState as the routes do: write a prefix, evict everything cached, look a prompt up."""
+
+    def __init__(self, state: PoolState, a: argparse.Namespace) -> None:
+        self.state, self.a, self.count = state, a, 0
+        self.shape = (a.layers, a.prefix, a.kv_heads, a.head_dim)
+
+    def prompt(self, i: int) -> list[int]:
+        return [i * 100_000 + t for t in range(self.a.prefix)] + [7]
+
+    async def write(self, i: int) -> int:
+        """A request for prompt i: look it up (restoring from the tiers), write what is missing (as a
+        prefill would), free it. Returns cached_tokens."""
+        seqs, engine = self.state.sequences, self.state.engine
+        tokens = self.prompt(i)
+        seq_id, cached = await self.lookup(i)
+        todo = self.a.prefix - cached
+        if todo:
+            g = torch.Generator().manual_seed(i)
+            k, v = torch.randn(*self.shape, generator=g), torch.randn(*self.shape, generator=g)
+            _, ext = seqs.append(seq_id, todo, tokens[cached : self.a.prefix], data_written=True)
+            slots = torch.from_numpy(ext.slots)
+            await engine.submit(lambda: engine.write(k[:, cached:], v[:, cached:], slots))
+        seqs.free(seq_id)
+        return cached
+
+    async def lookup(self, i: int) -> tuple[str, int]:
+        """POST /v1/sequences with prompt i's token ids: restore, create; returns (seq_id, cached_tokens)."""
+        self.count += 1
+        tiers, tokens = self.state.tiers, self.prompt(i)
+        if tiers is not None:
+            await tiers.restore(tokens, "", "")
+        seq = self.state.sequences.create(f"w{self.count}", tokens)
+        return seq.seq_id, seq.cached_tokens
+
+    async def written(self, url: str, num_keys: int) -> None:
+        """Wait until the store holds num_keys pages (the remote writer runs behind the commits)."""
+        client = redis.Redis.from_url(url)
+        while int(client.dbsize()) < num_keys:  # type: ignore[arg-type]
+            await asyncio.sleep(0.01)
+
+    async def evict_all(self) -> None:
+        """Every cached page out of the device (into the local tier, if any): a sequence takes the pool."""
+        seqs = self.state.sequences
+        seqs.create("fill")
+        seqs.append("fill", self.state.allocator.num_available * self.a.page_size)  # no ids: never cached
+        seqs.free("fill")
+        await self.settle()
+
+    async def settle(self) -> None:
+        await self.state.engine.submit(lambda: None)
+        local = self.state.tiers.local if self.state.tiers else None
+        if isinstance(local, DiskTier):
+            await asyncio.wrap_future(local.io.submit(lambda: None))
+        await asyncio.sleep(0.05)
+
+
+def mean_ms(samples: list[float]) -> float:
+    return 1000 * statistics.fmean(samples)
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
+    """Wall times of `repeat` calls, after one untimed call (first-touch page faults, connections)."""
+    fn()
+    out = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+async def restore_times(
+    state: PoolState, a: argparse.Namespace, url: str, ceiling: Callable[[], Any]
+) -> list[tuple[float, float]]:
+    """Write a.repeat prefixes, push each out of the device, then time bringing it back, right after
+    timing the tier's ceiling on the same bytes (side by side: this machine is shared).
+    Returns [(restore seconds, ceiling seconds)]."""
+    d = Driver(state, a)
+    pairs = []
+    ceiling()  # (first touch)
+    state.storage.blocks.zero_()  # fault the pool's pages in, as a server that has run a while has
+    for i in range(a.repeat):
+        await d.write(i)
+        if state.tiers is not None and state.tiers.remote is not None:
+            await d.written(url, (i + 1) * (a.prefix // a.page_size))
+        await d.evict_all()
+        start = time.perf_counter()
+        ceiling()
+        ceiling_s = time.perf_counter() - start
+        start = time.perf_counter()
+        seq_id, cached = await d.lookup(i)
+        pairs.append((time.perf_counter() - start, ceiling_s))
+        state.sequences.free(seq_id)
+        assert cached == a.prefix, f"prefix {i}: {cached} of {a.prefix} tokens came back"
+    return pairs
+
+
+class Ceilings:
+    """A plain move of the same bytes per tier: a host-to-host copy; a read of a file just written (in
+    the page cache, as the spill file is); redis-py MGETs of 32 values of a page's size (the client's
+    own ceiling, raw bytes, in database 1 of the same server)."""
+
+    def __init__(self, nbytes: int, directory: str, url: str, value_nbytes: int, num: int) -> None:
+        self.src, self.dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+        self.path = os.path.join(directory, "ceiling.bin")
+        with open(self.path, "wb") as f:
+            f.write(self.src.numpy().tobytes())
+        self.buf = np.empty(nbytes, dtype=np.uint8)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        self.client = redis.Redis.from_url(url.rsplit("/", 1)[0] + "/1")
+        self.keys = [f"ceiling:{i}" for i in range(num)]
+        value = os.urandom(value_nbytes)
+        self.client.mset({k: value for k in self.keys})
+
+    def host(self) -> None:
+        self.dst.copy_(self.src)
+
+    def disk(self) -> None:
+        os.preadv(self.fd, [memoryview(self.buf.data)], 0)
+
+    def remote(self) -> None:
+        for s in range(0, len(self.keys), 32):
+            self.client.mget(self.keys[s : s + 32])
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+        self.client.flushdb()
+
+
+def redis_benchmark(port: int, value_nbytes: int, num: int) -> float | None:
+    """GB/s of the redis-benchmark binary's GETs of values of our size (1 client, pipeline 32)."""
+    binary = shutil.which("redis-benchmark") or shutil.which("valkey-benchmark")
+    if binary is None:
+        return None
+    cmd = [binary, "-p", str(port), "-t", "set,get", "-d", str(value_nbytes), "-n", str(num), "-c", "1", "-P", "32"]
+    run = subprocess.run([*cmd, "--csv"], capture_output=True, text=True, timeout=300)
+    for line in run.stdout.splitlines():
+        if line.startswith('"GET"'):
+            return float(line.split(",")[1].strip('"')) * value_nbytes / 1e9
+    return None
+
+
+async def hit_rate(a: argparse.Namespace, device_pages: int, tiers: dict[str, Any]) -> float:
+    """Prompt tokens found / looked up, over a.requests uniform draws among a.prefixes prefixes (after
+    one pass that writes them all)."""
+    state = PoolState(settings(a, device_pages, **tiers))
+    try:
+        d = Driver(state, a)
+        for i in range(a.prefixes):
+            await d.write(i)
+            await d.settle()
+        rng = random.Random(0)
+        found = 0
+        for _ in range(a.requests):
+            found += await d.write(rng.randrange(a.prefixes))
+            await d.settle()
+        return found / (a.requests * a.prefix)
+    finally:
+        state.close()
+
+
+class RedisProcess:
+    def __init__(self) -> None:
+        binary = shutil.which("valkey-server") or shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("kvpool bench tiers needs redis-server (or valkey-server) for the remote tier")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise SystemExit("redis-server did not start")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+async def run(a: argparse.Namespace) -> None:
+    pages_per_prefix = a.prefix // a.page_size
+    device_pages = a.device_prefixes * pages_per_prefix + 1  # (+1: the prompt's last token)
+    work_pages = a.prefixes * pages_per_prefix
+    probe = settings(a, device_pages)
+    nbytes = pages_per_prefix * probe.page_nbytes
+    tier_bytes = (work_pages + pages_per_prefix) * (probe.page_nbytes + 64)
+    print(f"geometry: {a.layers} layers, {a.kv_heads} KV heads of {a.head_dim}, float32, page {a.page_size}")
+    print(f"prefix: {a.prefix} tokens = {pages_per_prefix} pages = {nbytes / 2**20:.1f} MiB; device pool")
+    ratio = work_pages / device_pages
+    print(f"  {device_pages} pages ({a.device_prefixes} prefixes); working set {a.prefixes} prefixes (x{ratio:.1f})")
+    store = RedisProcess()
+    directory = tempfile.mkdtemp(prefix="kvpool-bench-tiers-")
+    try:
+        configs = {
+            "host": dict(spill="host", spill_bytes=tier_bytes),
+            "disk": dict(spill="disk", spill_bytes=tier_bytes, spill_path=directory),
+            "remote": dict(remote_url=store.url),
+        }
+        value_nbytes = probe.page_nbytes + 150  # the remote value: the page, its token ids, a header
+        ceilings = Ceilings(nbytes, directory, store.url, value_nbytes, pages_per_prefix)
+        recompute_ms = a.prefix * PREFILL_MS_PER_TOKEN
+        print(f"\nrecompute: prefill of the vLLM benchmark's model, {a.prefix} tokens: {recompute_ms:.0f} ms")
+        bench_gbs = redis_benchmark(store.port, value_nbytes, 4 * pages_per_prefix)
+        if bench_gbs is not None:
+            print(f"redis-benchmark GET of {value_nbytes} B values (1 client, pipeline 32): {bench_gbs:.2f} GB/s")
+        print("ceilings, each timed just before each restore: host a memcpy, disk a read of a cached file,")
+        print("remote redis-py MGETs of the same value size; 'of ceiling': median ceiling time / restore time")
+        head = f"{'restore ms':>11} {'GB/s':>6} {'ceiling ms':>11} {'of ceiling':>11} {'vs recompute':>13}"
+        print(f"\n{'tier':8} {head}")
+        try:
+            for name, tiers in configs.items():
+                state = PoolState(settings(a, device_pages, **tiers))
+                try:
+                    pairs = await restore_times(state, a, store.url, getattr(ceilings, name))
+                finally:
+                    state.close()
+                restore, ceiling = [p[0] for p in pairs], [p[1] for p in pairs]
+                share = statistics.median(c / r for r, c in pairs)
+                speedup = recompute_ms / mean_ms(restore)
+                gbs = nbytes / statistics.fmean(restore) / 1e9
+                figures = f"{mean_ms(restore):11.1f} {gbs:6.2f} {mean_ms(ceiling):11.1f} {share:10.0%}"
+                extra = f"   ({gbs / bench_gbs:.0%} of redis-benchmark)" if name == "remote" and bench_gbs else ""
+                print(f"{name:8} {figures} {speedup:12.1f}x{extra}")
+                redis.Redis.from_url(store.url).flushdb()
+        finally:
+            ceilings.close()
+        print(f"\nhit rate, {a.requests} uniform draws among {a.prefixes} prefixes (device pool: {a.device_prefixes}):")
+        alone = await hit_rate(a, device_pages, {})
+        print(f"  device pool alone: {alone:.1%}")
+        for name in ("host", "disk", "remote"):
+            rate = await hit_rate(a, device_pages, configs[name])
+            ratio = f"{rate / alone:.1f}x" if alone else "inf"
+            print(f"  with the {name} tier: {rate:.1%} ({ratio} the device alone)")
+            redis.Redis.from_url(store.url).flushdb()
+    finally:
+        store.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def main(a: argparse.Namespace) -> int:
+    if a.quick:
+        a.layers, a.prefix, a.repeat, a.requests = 2, 512, 2, 16
+    torch.set_num_threads(1)
+    asyncio.run(run(a))
+    return 0

@@ -1,0 +1,136 @@
+"""The shared tier: committed pages in Redis or Valkey, for every kvpool with the same URL and geometry.
+
+Key:   kvpool:v1:<geometry>:<page hash hex>. The page hash chains from the tenant's salted root
+       (service.core.hashing), so tenants never share a key; the geometry (layers, kv heads,
+       head_dim, page size, dtype, FP8 scales / MLA) is in the key, so pools that differ never mix.
+Value: magic || geometry || page hash || token ids (int64) || page bytes || CRC-32 of all before it.
+       A lookup knows every part but the page bytes, so it loads an entry only if that whole prefix
+       is what it expects and the CRC matches; anything else is counted as rejected and ignored.
+Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S, refreshed when a page is written again): the
+       store's size is bounded by the write rate times the TTL even when it is shared with other
+       users and has no maxmemory policy; deploy/ also gives Valkey a maxmemory with allkeys-lru, the
+       hard bound. A TTL rather than only LRU, because a hash names a prefix forever: a stale entry
+       is never wrong, only useless, and the TTL lets unused geometries and tenants age out.
+
+The client is redis-py's synchronous one, called from two threads (reads: a lookup waits on it;
+writes: a background batch), each command bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a
+failure is counted, the tier skipped for a second, and the next call reconnects.
+"""
+
+import hashlib
+import struct
+import zlib
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from service.config import Settings
+from service.tiers.stats import TierStats
+
+MAGIC = b"kvpool-remote-v1"
+READ_BATCH = 32  # keys per MGET: a lookup stops at the first batch that comes back short
+CRC = struct.Struct("<I")
+
+
+def geometry(s: Settings) -> str:
+    """What must match for two pools to share pages, as a key part (e.g. L4.H2.D64.P16.float32)."""
+    tag = f"L{s.num_layers}.H{s.num_kv_heads}.D{s.head_dim}.P{s.page_size}.{s.dtype}"
+    if s.dtype == "float8_e4m3fn":
+        tag += f".g{s.quant_granularity}.{s.scale_dtype}"
+    if s.mla:
+        tag += f".mla{s.kv_lora_rank}"
+    return tag
+
+
+def page_key(geometry_tag: str, page_hash: bytes) -> str:
+    return f"kvpool:v1:{geometry_tag}:{page_hash.hex()}"
+
+
+def value_prefix(geometry_tag: str, page_hash: bytes, token_bytes: bytes) -> bytes:
+    tag = geometry_tag.encode()
+    return MAGIC + struct.pack("<H", len(tag)) + tag + page_hash + struct.pack("<I", len(token_bytes)) + token_bytes
+
+
+def encode_value(prefix: bytes, data: bytes) -> bytes:
+    body = prefix + data
+    return body + CRC.pack(zlib.crc32(body))
+
+
+def decode_value(value: bytes | None, prefix: bytes, page_nbytes: int) -> np.ndarray | None:
+    """The page bytes of `value` if it is the entry `prefix` describes, intact; else None."""
+    if value is None or len(value) != len(prefix) + page_nbytes + CRC.size or not value.startswith(prefix):
+        return None
+    if CRC.unpack_from(value, len(value) - CRC.size)[0] != zlib.crc32(memoryview(value)[: -CRC.size]):
+        return None
+    return np.frombuffer(value, dtype=np.uint8, count=page_nbytes, offset=len(prefix))
+
+
+class RemoteStore:
+    name = "remote"
+
+    def __init__(self, settings: Settings, page_nbytes: int) -> None:
+        self.geometry = geometry(settings)
+        self.page_nbytes = page_nbytes
+        self.ttl_s = settings.remote_ttl_s
+        timeout = settings.remote_timeout_s
+        self.client = redis.Redis.from_url(
+            settings.remote_url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self.stats = TierStats()
+
+    def get(self, parent: bytes, data: bytes, page_nbytes: int, skip: int, limit: int) -> list[np.ndarray]:
+        """The pages of `data` (token bytes chained after the page hashed `parent`) from page `skip` on,
+        up to `limit` pages, as long as the store holds them intact: MGETs of READ_BATCH keys, one round
+        trip each, hashing only as far as it reads (on the caller's thread, not the loop); raises redis
+        errors."""
+        num = min(limit, len(data) // page_nbytes)
+        found: list[np.ndarray] = []
+        hashes: list[bytes] = []
+        tokens: list[bytes] = []
+        for i in range(num):
+            page = data[i * page_nbytes : (i + 1) * page_nbytes]
+            parent = hashlib.sha256(parent + page).digest()
+            if i < skip:
+                continue
+            hashes.append(parent)
+            tokens.append(page)
+            if len(hashes) == READ_BATCH or i == num - 1:
+                got = self._get_batch(hashes, tokens)
+                found += got
+                if len(got) < len(hashes):
+                    break
+                hashes, tokens = [], []
+        return found
+
+    def _get_batch(self, hashes: list[bytes], token_bytes: list[bytes]) -> list[np.ndarray]:
+        """The leading run of `hashes` found intact, one MGET."""
+        values: list[bytes | None] = self.client.mget([page_key(self.geometry, h) for h in hashes])  # type: ignore[assignment]
+        found: list[np.ndarray] = []
+        for value, page_hash, tokens in zip(values, hashes, token_bytes):
+            data = decode_value(value, value_prefix(self.geometry, page_hash, tokens), self.page_nbytes)
+            if data is None:
+                if value is not None:
+                    self.stats.rejected += 1
+                break
+            found.append(data)
+        return found
+
+    def put(self, hashes: list[bytes], token_bytes: list[bytes], data: np.ndarray) -> int:
+        """SET each page with the TTL, pipelined (one round trip); returns bytes sent."""
+        pipe = self.client.pipeline(transaction=False)
+        sent = 0
+        for i, (page_hash, tokens) in enumerate(zip(hashes, token_bytes)):
+            value = encode_value(value_prefix(self.geometry, page_hash, tokens), data[i].tobytes())
+            pipe.set(page_key(self.geometry, page_hash), value, ex=self.ttl_s)
+            sent += len(value)
+        pipe.execute()
+        return sent
+
+    def close(self) -> None:
+        self.client.close()

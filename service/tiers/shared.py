@@ -1,0 +1,116 @@
+"""The shared tier's two sides on this node: a background writer of committed pages, and lookups.
+
+Writes: the allocator's stored() queues newly committed pages here (bounded: a full queue skips and
+counts). A task on the loop takes batches of about 8 MiB, keeps the pages still registered under
+the same hash (evicted ones are no longer those pages), gathers them through the engine (after the
+write that committed them, submitted first) and sends them from a thread (RemoteStore.put).
+Lookups run RemoteStore.get on another thread, so a slow store never blocks the loop; a failure is
+counted, logged once per incident, and the tier is skipped for a second (Incident).
+"""
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+import numpy as np
+
+from service.core.allocator import PageAllocator
+from service.engine.engine import Engine
+from service.tiers.pages import PageCodec
+from service.tiers.remote import RemoteStore
+from service.tiers.stats import Incident
+
+log = logging.getLogger("kvpool.tiers")
+WRITE_BATCH_BYTES = 8 << 20  # per remote write (one gather, one pipelined round trip)
+
+
+class SharedTier:
+    name = "remote"
+
+    def __init__(self, store: RemoteStore, engine: Engine, allocator: PageAllocator, codec: PageCodec, queue: int):
+        self.store, self.engine, self.allocator, self.codec = store, engine, allocator, codec
+        self.stats = store.stats
+        self.incident = Incident(self.name, log)
+        self._queue: collections.deque[tuple[int, bytes, bytes]] = collections.deque()
+        self._queue_max = queue
+        self._batch = max(1, WRITE_BATCH_BYTES // codec.page_nbytes)
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._read = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-remote-read")
+        self._write = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-remote-write")
+
+    def report(self) -> dict[str, Any]:
+        unknown = {"capacity_bytes": None, "used_bytes": None, "entries": None, "capacity_entries": None}
+        row = {"tier": self.name, **dataclasses.asdict(self.stats), **unknown, "evictions": 0}
+        return row | {"up": not self.incident.down, "queued_pages": len(self._queue)}
+
+    # -- writes -----------------------------------------------------------------------------------
+    def queue(self, pages: np.ndarray, hashes: np.ndarray, token_bytes: bytes, token_nbytes: int) -> None:
+        """Newly committed pages (the allocator's stored(); on the loop): queue them, or skip them all."""
+        n = len(pages)
+        if len(self._queue) + n > self._queue_max:
+            self.stats.skipped += n
+            return
+        for i, page in enumerate(pages.tolist()):
+            self._queue.append((page, hashes[i].tobytes(), token_bytes[i * token_nbytes : (i + 1) * token_nbytes]))
+        self._wake.set()
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+
+    async def _write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(self._batch, len(self._queue)))]
+                if not self.incident.usable():
+                    self.stats.skipped += len(batch)
+                    continue
+                # Pages evicted since their commit (and maybe rewritten) are no longer those pages.
+                live = [b for b in batch if self.allocator.page_hash(b[0]) == b[1]]
+                if not live:
+                    continue
+                pages, hashes, tokens = [b[0] for b in live], [b[1] for b in live], [b[2] for b in live]
+                try:
+                    data = await self.engine.submit(functools.partial(self._gather, pages))
+                    sent = await loop.run_in_executor(self._write, self.store.put, hashes, tokens, data)
+                except Exception as exc:  # the store down or slow: count, skip, go on
+                    self.incident.failed(self.stats, exc)
+                    continue
+                self.incident.succeeded()
+                self.stats.bytes_out += sent
+
+    def _gather(self, pages: list[int]) -> np.ndarray:
+        return self.codec.gather(pages).numpy()
+
+    # -- lookups ----------------------------------------------------------------------------------
+    async def lookup(self, last: bytes, rest: bytes, page_nbytes: int, skip: int, limit: int) -> list[np.ndarray]:
+        """The pages of `rest` (token bytes after the page hashed `last`) from page `skip` on that the
+        store holds intact, in order, up to `limit` pages in all; [] if the tier is failing."""
+        if skip >= limit or not self.incident.usable():
+            return []
+        get = functools.partial(self.store.get, last, rest, page_nbytes, skip, limit)
+        try:
+            found = await asyncio.get_running_loop().run_in_executor(self._read, get)
+        except Exception as exc:
+            self.incident.failed(self.stats, exc)
+            return []
+        self.incident.succeeded()
+        if not found:
+            self.stats.misses += 1
+        return found
+
+    def stop(self) -> None:
+        """No more writes (before the engine closes)."""
+        if self._writer is not None:
+            self._writer.cancel()
+
+    def close(self) -> None:
+        self._read.shutdown(wait=False)
+        self._write.shutdown(wait=False)
+        self.store.close()
