@@ -62,7 +62,10 @@ class OneRow:
         else:  # straight into the block table
             alloc.allocate_into(blocks.tables[row, old_pages:new_pages])
         blocks.lengths[row], blocks.num_pages[row] = self.old_len + self.count, new_pages
-        return Extension(blocks.row_slots(row, self.old_len, self.count), [0, self.count], copies)
+        # The pages the tokens land on as they are now (a later copy-on-write may change the row).
+        first = self.old_len // blocks.page_size
+        pages = blocks.tables[row, first:new_pages].copy()
+        return Extension(None, (0, self.count), copies, pages, self.old_len % blocks.page_size, blocks.page_size)
 
 
 @dataclass(slots=True, eq=False)
