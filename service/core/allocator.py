@@ -33,6 +33,7 @@ class PageAllocator:
         # Free stack: the top is the end; reversed so that a fresh pool hands out 0, 1, 2, ...
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = num_pages
+        self._stack = page_ops.FreeStack(self._free, self.ref_count)  # pop() and release() on those two
         # Unreferenced pages with a committed hash, oldest release first (the eviction order): a
         # linked list in an array (prefix_index.new_lru), O(1) per page, no Python objects.
         self._lru = prefix_index.new_lru(num_pages)
@@ -93,7 +94,7 @@ class PageAllocator:
             if out.dtype not in (np.int64, np.uint32):
                 raise ValueError(f"out must be int64 or uint32, not {out.dtype}")
             self._evict(num - self._num_free)
-        page_ops.pop(self._free, self._num_free, self.ref_count, out)
+        self._stack.pop(self._num_free, out)
         self._num_free -= num
 
     def _evict(self, num: int) -> None:
@@ -134,7 +135,7 @@ class PageAllocator:
         caching = self.enable_prefix_caching and self._keys is not None  # no page is hashed before a commit
         cached = np.empty(len(pages), dtype=np.int64) if caching else None
         hashed = self._is_hashed if caching else None
-        released, freed = page_ops.release(self._free, self._num_free, self.ref_count, hashed, pages, cached)
+        released, freed = self._stack.release(self._num_free, hashed, pages, cached)
         self._num_free += freed
         if released > freed:
             prefix_index.lru_push(self._lru, cached[: released - freed])  # type: ignore[index]

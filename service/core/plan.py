@@ -32,6 +32,7 @@ from service.core.hashing import token_bytes
 from service.core.records import Extension, Sequence, TokenIds
 
 NO_PAGES = np.empty(0, dtype=np.int64)
+NOTHING_APPENDED = Extension(NO_PAGES, (0,), [])  # what a NewRow's place() returns (shared: read only)
 
 
 # Each change's place() allocates its pages into the block tables (copies first) and grows its rows.
@@ -140,7 +141,7 @@ class NewRow:
                 blocks.tables[row, :num] = pages
             blocks.lengths[row], blocks.num_pages[row], blocks.num_hashed[row] = self.length, num, self.num_hashed
         blocks.tokens_known[row] = self.tokens_known
-        return Extension(NO_PAGES, [0], [])
+        return NOTHING_APPENDED
 
 
 @dataclass(slots=True, eq=False)

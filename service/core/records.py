@@ -35,7 +35,7 @@ class Extension:
     does) never pays for them, 4,096 of them costing more than the allocation.
     """
 
-    __slots__ = ("_slots", "offsets", "copies", "_pages", "_start", "_page_size")
+    __slots__ = ("_page_size", "_pages", "_slots", "_start", "copies", "offsets")
 
     def __init__(
         self,
@@ -53,7 +53,7 @@ class Extension:
     def slots(self) -> np.ndarray:
         if self._slots is None:
             self._slots = np.empty(self.offsets[-1], dtype=np.int64)
-            page_ops.page_slots(self._pages, self._start, self._page_size, self._slots)
+            page_ops.page_slots(self._pages, self._start, self._page_size, self._slots)  # type: ignore[arg-type]  # given when slots is None
         return self._slots
 
 
