@@ -63,10 +63,11 @@ class OneRow:
         else:  # straight into the block table
             alloc.allocate_into(blocks.tables[row, old_pages:new_pages])
         blocks.lengths[row], blocks.num_pages[row] = self.old_len + self.count, new_pages
-        # The pages the tokens land on as they are now (a later copy-on-write may change the row).
+        # The pages the tokens land on as they are now (a later copy-on-write may change the row), as
+        # uint32 bytes: cheaper to take than an array copy.
         first = self.old_len // blocks.page_size
-        pages = blocks.tables[row, first:new_pages].copy()
-        return Extension(None, (0, self.count), copies, pages, self.old_len % blocks.page_size, blocks.page_size)
+        landed = blocks.tables[row, first:new_pages].tobytes()
+        return Extension(None, (0, self.count), copies, landed, self.old_len % blocks.page_size, blocks.page_size)
 
 
 @dataclass(slots=True, eq=False)

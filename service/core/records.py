@@ -29,8 +29,8 @@ class Extension:
 
     slots: int64 [total new tokens], sequences in order; slots[offsets[i]:offsets[i+1]] belong to
     the i-th sequence. copies: (src page, dst page) copy-on-write copies to do before writing.
-    A one-row append gives the pages its tokens landed on instead of the slots (`pages`, the
-    position of its first token within pages[0], the page size), and the slots are numbered when
+    A one-row append gives the pages its tokens landed on instead of the slots (`pages` as uint32
+    bytes, the position of its first token within pages[0], the page size), and the slots are numbered when
     first read: a caller that only allocates (an engine computing its own slot mapping, as vLLM's
     does) never pays for them, 4,096 of them costing more than the allocation.
     """
@@ -42,7 +42,7 @@ class Extension:
         slots: np.ndarray | None,
         offsets: abc.Sequence[int],
         copies: list[tuple[int, int]],
-        pages: np.ndarray | None = None,
+        pages: bytes = b"",
         start: int = 0,
         page_size: int = 0,
     ) -> None:
@@ -53,7 +53,8 @@ class Extension:
     def slots(self) -> np.ndarray:
         if self._slots is None:
             self._slots = np.empty(self.offsets[-1], dtype=np.int64)
-            page_ops.page_slots(self._pages, self._start, self._page_size, self._slots)  # type: ignore[arg-type]  # given when slots is None
+            pages = np.frombuffer(self._pages, dtype=np.uint32)
+            page_ops.page_slots(pages, self._start, self._page_size, self._slots)
         return self._slots
 
 
