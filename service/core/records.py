@@ -53,7 +53,7 @@ class Extension:
     def slots(self) -> np.ndarray:
         if self._slots is None:
             self._slots = np.empty(self.offsets[-1], dtype=np.int64)
-            pages = np.frombuffer(self._pages, dtype=np.uint32)
+            pages = np.frombuffer(self._pages, dtype=np.uint32).copy()  # (the compiled loop takes writable buffers)
             page_ops.page_slots(pages, self._start, self._page_size, self._slots)
         return self._slots
 
