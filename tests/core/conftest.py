@@ -18,7 +18,7 @@ import service.core
 CALLED = {
     "page_ops": ("pop", "release", "page_slots", "FreeStack"),
     "batching": ("unzip_appends", "decode_plan", "decode_apply"),
-    "prefix_index": ("commit", "match", "acquire", "evict", "lru_push", "lru_remove", "int64_bytes"),
+    "prefix_index": ("commit", "match", "acquire", "evict", "lru_push", "lru_remove", "int64_bytes", "IndexArrays"),
 }
 
 
