@@ -165,7 +165,7 @@ class Plan:
 def plan_one(blocks: BlockTables, alloc: PageAllocator, row: int, count: int, data: bytes | None, tenant: str) -> Plan:
     """`count` tokens more on `row` (data: their checked int64 bytes, or None)."""
     size = blocks.page_size
-    old_len, old_pages = int(blocks.lengths[row]), int(blocks.num_pages[row])
+    old_len, old_pages = blocks.lengths.item(row), blocks.num_pages.item(row)  # (item(): a Python int at once)
     new_pages = -(-(old_len + count) // size)
     grow = new_pages - old_pages
     copy = old_len % size != 0 and bool(alloc.ref_count[blocks.tables[row, old_pages - 1]] > 1)

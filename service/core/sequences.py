@@ -271,8 +271,8 @@ class SequenceTable:
         seq = self.registry.get(seq_id, tenant)
         row, b = seq.row, self.blocks
         if seq.tokens is not None:  # its pages are written by now
-            self.prefixes.commit_upto(seq, int(b.lengths[row]) // self.page_size)
-        num = int(b.num_pages[row])
+            self.prefixes.commit_upto(seq, b.lengths.item(row) // self.page_size)
+        num = b.num_pages.item(row)
         freed = self.allocator.release(b.tables[row, :num][::-1])  # tail first
         b.release_row(row, num)
         self.registry.remove(seq)
