@@ -14,7 +14,7 @@ import pytest
 
 import service.core
 
-# The functions of each compiled module that the rest of the core calls.
+# The functions and array holders of each compiled module that the rest of the core calls.
 CALLED = {
     "page_ops": ("pop", "release", "page_slots", "FreeStack"),
     "batching": ("unzip_appends", "decode_plan", "decode_apply"),
