@@ -33,6 +33,7 @@ class PageAllocator:
         # Free stack: the top is the end; reversed so that a fresh pool hands out 0, 1, 2, ...
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = num_pages
+        self._stack = page_ops.FreeStack(self._free, self.ref_count)  # pop() and release() on those two
         # Unreferenced pages with a committed hash, oldest release first (the eviction order): a
         # linked list in an array (prefix_index.new_lru), O(1) per page, no Python objects.
         self._lru = prefix_index.new_lru(num_pages)
@@ -42,6 +43,7 @@ class PageAllocator:
         self._table, self._key_hash, self._hashes, self._is_hashed = prefix_index.new_index(num_pages)
         self._keys: np.ndarray | None = None
         self._seed: np.ndarray | None = None  # the probe hash's secret key (prefix_index.new_seed)
+        self._index = self._index_arrays()  # the compiled calls over all of these
         self.num_evictions = 0
         # Watchers of the prefix cache (KV events, lower tiers): told of every page that enters or
         # leaves the index. Empty by default, and then it costs one truth test per commit/eviction.
@@ -93,13 +95,15 @@ class PageAllocator:
             if out.dtype not in (np.int64, np.uint32):
                 raise ValueError(f"out must be int64 or uint32, not {out.dtype}")
             self._evict(num - self._num_free)
-        page_ops.pop(self._free, self._num_free, self.ref_count, out)
+        self._stack.pop(self._num_free, out)
         self._num_free -= num
 
+    def _index_arrays(self) -> prefix_index.IndexArrays:
+        arrays = (self._table, self._key_hash, self._hashes, self._is_hashed, self._lru, self.ref_count)
+        return prefix_index.IndexArrays(*arrays, self._keys, self._seed)
+
     def _evict(self, num: int) -> None:
-        evicted = np.asarray(
-            prefix_index.evict(self._lru, self._table, self._key_hash, self._is_hashed, num), dtype=np.int64
-        )
+        evicted = np.asarray(self._index.evict(num), dtype=np.int64)
         self._num_cached -= num
         if self.listeners:
             self._tell_removed(evicted)
@@ -134,10 +138,10 @@ class PageAllocator:
         caching = self.enable_prefix_caching and self._keys is not None  # no page is hashed before a commit
         cached = np.empty(len(pages), dtype=np.int64) if caching else None
         hashed = self._is_hashed if caching else None
-        released, freed = page_ops.release(self._free, self._num_free, self.ref_count, hashed, pages, cached)
+        released, freed = self._stack.release(self._num_free, hashed, pages, cached)
         self._num_free += freed
         if released > freed:
-            prefix_index.lru_push(self._lru, cached[: released - freed])  # type: ignore[index]
+            self._index.lru_push(cached[: released - freed])  # type: ignore[index]
             self._num_cached += released - freed
         return released
 
@@ -145,13 +149,12 @@ class PageAllocator:
     def match(self, parent: bytes, data: bytes, page_nbytes: int) -> tuple[list[int], bytes]:
         """Committed pages matching the leading full pages of `data` (token bytes), chained from
         `parent`; stops at the first miss. Returns (pages, hash of the last matched page or parent)."""
-        index = (self._table, self._keys, self._key_hash, self._hashes, self._seed)
-        return prefix_index.match(*index, parent, data, page_nbytes)
+        return self._index.match(parent, data, page_nbytes)
 
     def acquire_cached(self, pages: list[int], out: np.ndarray | None = None) -> None:
         """Take a reference to each of `pages` (distinct), all returned by match(); with `out` (a
         uint32 block-table row), also write them to out[:len(pages)]."""
-        self._num_cached -= prefix_index.acquire(self._lru, self.ref_count, pages, out)
+        self._num_cached -= self._index.acquire(pages, out)
 
     def reserve_keys(self, page_nbytes: int) -> None:
         """Make the index's key array for pages of page_nbytes token bytes (else the first commit
@@ -164,6 +167,7 @@ class PageAllocator:
         self._keys = np.empty((self.num_pages, 32 + page_nbytes), dtype=np.uint8)
         self._keys.fill(0)
         self._seed = prefix_index.new_seed(32 + page_nbytes)
+        self._index = self._index_arrays()
 
     def commit(
         self,
@@ -187,11 +191,10 @@ class PageAllocator:
             ids = pages  # a block-table slice goes as it is; a list or another array as int64
         else:
             ids = np.ascontiguousarray(pages, dtype=np.int64)
-        index = (self._table, self._keys, self._key_hash, self._hashes, self._is_hashed, self._seed)
         if not self.listeners:
-            return prefix_index.commit(*index, ids, parent, data, page_nbytes)
+            return self._index.commit(ids, parent, data, page_nbytes)
         before = self._is_hashed[ids]
-        last = prefix_index.commit(*index, ids, parent, data, page_nbytes)
+        last = self._index.commit(ids, parent, data, page_nbytes)
         self._tell_stored(ids.astype(np.int64), before, parent, bytes(data), page_nbytes, at_root)
         return last
 
@@ -224,9 +227,7 @@ class PageAllocator:
         num = self._num_cached
         if num == 0:
             return 0
-        dropped = np.asarray(
-            prefix_index.evict(self._lru, self._table, self._key_hash, self._is_hashed, num), dtype=np.int64
-        )
+        dropped = np.asarray(self._index.evict(num), dtype=np.int64)
         self._num_cached = 0
         if self.listeners:
             if self.has_registered_pages():

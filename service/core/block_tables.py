@@ -37,9 +37,9 @@ class BlockTables:
             self._free_rows.extend(range(2 * old - 1, old - 1, -1))
         return self._free_rows.pop()
 
-    def release_row(self, row: int) -> None:
-        """Row `row` back to the free rows, emptied."""
-        self.tables[row, : self.num_pages[row]] = self.sentinel
+    def release_row(self, row: int, num_pages: int) -> None:
+        """Row `row`, which holds num_pages pages, back to the free rows, emptied."""
+        self.tables[row, :num_pages] = self.sentinel
         self.lengths[row] = self.num_pages[row] = self.num_hashed[row] = 0
         self._free_rows.append(row)
 

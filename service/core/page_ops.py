@@ -25,6 +25,7 @@ COMPILED: bool = cython.compiled  # True in the build setup.py compiles, False r
 page_t = cython.fused_type(cython.uint, cython.longlong)
 
 
+@cython.ccall
 @cython.boundscheck(False)  # the pages read are those in [top - len(out), top), checked to lie in free
 def pop(free: cython.longlong[::1], top: cython.Py_ssize_t, ref_count: cython.int[::1], out: np.ndarray) -> None:
     """Pop len(out) pages off the stack of `top` pages into out (C-contiguous int64 or uint32), the
@@ -56,6 +57,7 @@ def _pop_into(free: cython.longlong[::1], top: cython.Py_ssize_t, ref_count: cyt
         ref_count[page] = 1
 
 
+@cython.ccall
 def release(
     free: cython.longlong[::1],
     top: cython.Py_ssize_t,
@@ -137,6 +139,41 @@ def _release(
             free[top + to_free - 1 - k_free] = page
             k_free += 1
     return to_free + to_cache, to_free
+
+
+@cython.cclass
+class FreeStack:
+    """An allocator's free stack and reference counts (`free` and `ref_count` of pop() and release(),
+    arrays the allocator keeps and never replaces), held as typed memoryviews: compiled, each call
+    acquires only the buffers of its own arguments. Acquiring a buffer costs about 0.1 us, as much as
+    popping or releasing a prompt's 16 pages of 256 tokens."""
+
+    _free: cython.longlong[::1]
+    _ref_count: cython.int[::1]
+    _arrays: tuple  # (free, ref_count) as given
+
+    def __init__(self, free: np.ndarray, ref_count: np.ndarray) -> None:
+        self._free = free
+        self._ref_count = ref_count
+        self._arrays = (free, ref_count)
+
+    def __reduce__(self) -> tuple:
+        # copy.deepcopy of an allocator: the copy's stack views the copy's arrays (deepcopy's memo).
+        return (FreeStack, self._arrays)
+
+    def pop(self, top: cython.Py_ssize_t, out: np.ndarray) -> None:
+        """pop(free, top, ref_count, out)."""
+        pop(self._free, top, self._ref_count, out)
+
+    def release(
+        self,
+        top: cython.Py_ssize_t,
+        is_hashed: Optional[cython.uchar[::1]],  # noqa: UP045
+        pages: np.ndarray,
+        cached_out: Optional[cython.longlong[::1]],  # noqa: UP045
+    ) -> tuple[int, int]:
+        """release(free, top, ref_count, is_hashed, pages, cached_out)."""
+        return release(self._free, top, self._ref_count, is_hashed, pages, cached_out)
 
 
 def page_slots(

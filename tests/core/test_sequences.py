@@ -673,3 +673,17 @@ def test_bad_token_id_arrays_are_invalid_and_change_nothing(ids: np.ndarray) -> 
     with pytest.raises(InvalidRequest, match="token ids"):
         t.append("b", len(ids), ids)
     assert snapshot(t) == before
+
+
+def test_slots_read_later_are_those_of_the_append() -> None:
+    # A one-row append numbers its slots when they are first read, from the pages its tokens landed
+    # on then: a later copy-on-write of its partial last page, or freeing the sequence, changes nothing.
+    t = make_table(num_pages=8, page_size=4)
+    t.create("a")
+    _, first = t.append("a", 6)  # pages 0, 1
+    t.fork("a", "b")
+    _, second = t.append("a", 1)  # "a" copies the shared page 1 to page 2 first
+    t.free("a")
+    t.free("b")
+    assert first.slots.tolist() == [0, 1, 2, 3, 4, 5]
+    assert second.copies == [(1, 2)] and second.slots.tolist() == [10]
