@@ -18,9 +18,9 @@ ids (what kvpool has already is matched, not copied), the rest appended, its K/V
 blocks into the pool at the appended slots, the server's instance checked, and the sequence freed,
 which commits the pages to kvpool's prefix cache. K/V moves only through the mapped pool.
 
-vLLM's block size and kvpool's page size are independent: a copy gathers the whole blocks (pages) that
-hold a token range and scatters the range into the pages (blocks) on the other side (vllm_layout's
-read_tokens / write_tokens: token t lives in unit t // size at offset t % size). A request's `cache_salt`
+vLLM's block size and kvpool's page size are independent: vllm_copy moves whole pages and blocks (a
+load gathers the pages and stores the tokens with the attention backend's own cache writer; a save
+slices or gathers the blocks and stores each run of gcd(page, block) tokens into its page). A request's `cache_salt`
 salts kvpool's prefix hashes, so different salts never share pages. One worker (no tensor or
 pipeline parallelism) and vLLM's CPU attention layout are supported; others are refused at start.
 """
@@ -28,6 +28,7 @@ pipeline parallelism) and vLLM's CPU attention layout are supported; others are 
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -43,7 +44,8 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
-from service.integrations.vllm_layout import check_layout, kv_views, read_tokens, write_tokens
+from service.integrations.vllm_copy import Buffers, Writer, load_layer, load_plan, save_layer, save_plan
+from service.integrations.vllm_layout import check_layout
 from service.integrations.vllm_metadata import Job, KVPoolMetadata, LoadJob, Pin, SaveJob, model_geometry
 
 if TYPE_CHECKING:
@@ -84,8 +86,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._pins: dict[str, Pin] = {}
         self._saved: dict[str, int] = {}  # tokens of each request kvpool holds or a save is under way for
         self._loads: list[LoadJob] = []
-        # Worker side: layer index -> (K, V) views [num_blocks, heads, block_size, head_dim].
-        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Worker side: layer index -> its KV cache [num_blocks, heads, block_size, 2 * head_dim], and the
+        # attention backend's writer into it (what loads store K/V with).
+        self._layers: dict[int, torch.Tensor] = {}
+        self._writers: dict[int, Writer] = {}
+        self._load_bufs, self._save_bufs = Buffers(), Buffers()
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
 
@@ -169,8 +174,11 @@ class KVPoolConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context
         for name, cache in kv_caches.items():
-            check_layout(layers[name], cache)
-            self._layers[extract_layer_index(name)] = kv_views(cache)
+            layer = layers[name]
+            check_layout(layer, cache)
+            index = extract_layer_index(name)
+            self._layers[index] = cache
+            self._writers[index] = partial(_write_layer, layer, cache)
         if sorted(self._layers) != list(range(self._link.model.num_layers)):
             raise ValueError(
                 f"KVPoolConnector: expected layers 0..{self._link.model.num_layers - 1}, "
@@ -195,12 +203,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         pool = link.pool
         if pool is None:
             return False
-        end = job.start + job.count
         began = time.perf_counter_ns()
-        for layer, (k, v) in self._layers.items():
-            for kv, view in ((0, k), (1, v)):
-                page_units = pool.blocks[:, kv, layer].transpose(1, 2)  # [pages + 1, H, page_size, D]
-                write_tokens(view, job.block_ids, job.start, read_tokens(page_units, job.pages, job.start, end))
+        end = job.start + job.count
+        plan = load_plan(job.pages, pool.blocks.shape[3], job.block_ids, self._block_size, job.start, end)
+        for layer, write in self._writers.items():
+            load_layer(write, pool.blocks[:, :, layer], plan, self._load_bufs)
         link.stats["load_copy_ns"] += time.perf_counter_ns() - began
         # The copy is right only if the pin (hence its pages) lived throughout on the mapped server:
         # the pin exists now, and the server now is the mapped instance (ids are new at every start).
@@ -273,10 +280,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             if attempt and not link.holds(seq_id, pages):
                 return False
             began = time.perf_counter_ns()
-            for layer, (k, v) in self._layers.items():
-                for kv, view in ((0, k), (1, v)):
-                    page_units = pool.blocks[:, kv, layer].transpose(1, 2)  # [pages + 1, H, page_size, D]
-                    write_tokens(page_units, pages, start, read_tokens(view, job.block_ids, start, job.end))
+            plan = save_plan(job.block_ids, self._block_size, pages, pool.blocks.shape[3], start, job.end)
+            for layer, cache in self._layers.items():
+                save_layer(cache, pool.blocks[:, :, layer], plan, self._save_bufs)
             link.stats["save_copy_ns"] += time.perf_counter_ns() - began
             if link.same_instance():
                 return True
@@ -292,3 +298,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self._link.stats:
             logger.info("kvpool connector (%s): %s", self.role.name.lower(), dict(self._link.stats))
         self._link.close()
+
+
+def _write_layer(layer: Any, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store K/V [T, H, D] at `slots` of one layer's cache with its attention backend's own writer."""
+    layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
