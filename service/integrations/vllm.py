@@ -25,8 +25,11 @@ salts kvpool's prefix hashes, so different salts never share pages. One worker (
 pipeline parallelism) and vLLM's CPU attention layout are supported; others are refused at start.
 """
 
+import atexit
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -47,6 +50,7 @@ from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_copy import Buffers, Writer, load_layer, load_plan, save_layer, save_plan
 from service.integrations.vllm_layout import check_layout
 from service.integrations.vllm_metadata import Job, KVPoolMetadata, LoadJob, Pin, SaveJob, model_geometry
+from service.integrations.vllm_thread import WorkerThread
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -64,7 +68,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         if not extra.get("kvpool_url"):
             raise ValueError("KVPoolConnector needs kv_connector_extra_config.kvpool_url (e.g. http://127.0.0.1:8000)")
-        unknown = set(extra) - {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s"}
+        unknown = set(extra) - {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s", "max_queued_saves"}
         if unknown:
             raise ValueError(f"KVPoolConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
         self._block_size = vllm_config.cache_config.block_size
@@ -86,6 +90,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._pins: dict[str, Pin] = {}
         self._saved: dict[str, int] = {}  # tokens of each request kvpool holds or a save is under way for
         self._loads: list[LoadJob] = []
+        self._saving: set[str] = set()  # requests given a save: vLLM keeps their blocks until it is done
         # Worker side: layer index -> its KV cache [num_blocks, heads, block_size, 2 * head_dim], and the
         # attention backend's writer into it (what loads store K/V with).
         self._layers: dict[int, torch.Tensor] = {}
@@ -93,11 +98,25 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._load_bufs, self._save_bufs = Buffers(), Buffers()
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
+        # Saves run on the thread; these are shared with it (under _lock).
+        self._lock = threading.Lock()
+        self._pending: Counter[str] = Counter()  # queued or running saves of each request
+        self._save_reqs: set[str] = set()  # requests the scheduler gave a save (it delays their blocks' free)
+        self._finishing: set[str] = set()  # of those, the finished ones whose saves are still pending
+        self._thread = WorkerThread(int(extra.get("max_queued_saves", 64))) if is_worker else None
+        self._waits: Counter[str] = Counter()  # counted on vLLM's thread (link.stats: on the connector's)
+        if self._thread is not None:
+            atexit.register(self._thread.close)  # an exit without shutdown() still runs the queued saves
 
     @property
     def stats(self) -> dict[str, int]:
         """Counters: faults_<kind>, incidents, loaded_tokens, saved_tokens, load_failures, ..."""
-        return dict(self._link.stats)
+        return {**self._link.stats, **self._waits}
+
+    def wait_for_saves(self) -> None:
+        """Wait until every save queued so far is done (saves run on the connector's thread)."""
+        if self._thread is not None:
+            self._thread.drain()
 
     # ==== scheduler side ==========================================================================
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -157,8 +176,10 @@ class KVPoolConnector(KVConnectorBase_V1):
             if end <= self._saved.get(req_id, 0):
                 continue
             self._saved[req_id] = end
+            self._saving.add(req_id)
             block_ids = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
             meta.saves.append(SaveJob(req_id, list(tokens[: end + 1]), end, block_ids, request.cache_salt))
+        meta.preempted = set(scheduler_output.preempted_req_ids or ())
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -168,6 +189,10 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._link.free(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
         self._requests.pop(req_id, None)
         self._saved.pop(req_id, None)
+        # A request given saves keeps its blocks until the worker's get_finished says they are copied.
+        if req_id in self._saving:
+            self._saving.discard(req_id)
+            return True, None
         return False, None
 
     # ==== worker side =============================================================================
@@ -187,14 +212,20 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVPoolMetadata)
+        assert isinstance(meta, KVPoolMetadata) and self._thread is not None
         self._failed_reqs = set()
-        for job in meta.loads:
+        if meta.loads:
+            self._thread.run(lambda: self._run_loads(meta.loads))  # the forward needs them: wait
+
+    def _run_loads(self, loads: list[LoadJob]) -> None:
+        began = time.perf_counter_ns()
+        for job in loads:
             if not self._guarded(self._load, job):
                 self._link.stats["load_failures"] += 1
                 self._failed_reqs.add(job.req_id)
                 first, stop = job.start // self._block_size, -(-(job.start + job.count) // self._block_size)
                 self._load_errors.update(job.block_ids[first:stop])
+        self._link.stats["load_ns"] += time.perf_counter_ns() - began  # copies and checks: the step waits
 
     def _load(self, job: LoadJob) -> bool:
         link = self._link
@@ -209,6 +240,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         for layer, write in self._writers.items():
             load_layer(write, pool.blocks[:, :, layer], plan, self._load_bufs)
         link.stats["load_copy_ns"] += time.perf_counter_ns() - began
+        import os
+
+        os.environ.get("KVDBG") and print("DBG load", job.count, (time.perf_counter_ns() - began) / 1e6, flush=True)
         # The copy is right only if the pin (hence its pages) lived throughout on the mapped server:
         # the pin exists now, and the server now is the mapped instance (ids are new at every start).
         if link.call(lambda: link.client.get_sequence(job.pin_id)) is None or not link.same_instance():
@@ -225,12 +259,50 @@ class KVPoolConnector(KVConnectorBase_V1):
         return  # wait_for_save copies every layer at once: one HTTP transaction per request, not per layer
 
     def wait_for_save(self) -> None:
+        """Queue this step's saves on the connector's thread; the step does not wait for them."""
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVPoolMetadata)
+        assert isinstance(meta, KVPoolMetadata) and self._thread is not None
+        failed = self._failed_reqs  # this step's failed loads (the loads ran before the forward)
         for job in meta.saves:
-            # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, we save none of it.
-            if job.req_id not in self._failed_reqs and self._link.usable():
+            with self._lock:
+                self._save_reqs.add(job.req_id)
+                # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, we save none of it.
+                if job.req_id in failed:
+                    continue
+                self._pending[job.req_id] += 1
+            if self._thread.submit(partial(self._run_save, job)):
+                self._waits["save_queue_full"] += 1
+
+    def _run_save(self, job: SaveJob) -> None:
+        began = time.perf_counter_ns()
+        try:
+            if self._link.usable():
                 self._guarded(self._save, job)
+        finally:
+            self._link.stats["save_ns"] += time.perf_counter_ns() - began  # on the thread, not in the step
+            with self._lock:
+                self._pending[job.req_id] -= 1
+                if self._pending[job.req_id] <= 0:
+                    del self._pending[job.req_id]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The finished requests whose saves are all done: vLLM may free their blocks now."""
+        with self._lock:
+            self._finishing |= finished_req_ids & self._save_reqs
+            self._save_reqs -= finished_req_ids
+            done = {req_id for req_id in self._finishing if req_id not in self._pending}
+            self._finishing -= done
+        return done or None, None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM freed the blocks of preempted requests (no request_finished) and may write into them in this
+        step: their queued saves read those blocks, so they run first."""
+        assert isinstance(kv_connector_metadata, KVPoolMetadata) and self._thread is not None
+        with self._lock:
+            waiting = bool(kv_connector_metadata.preempted & set(self._pending))
+        if waiting:
+            self._waits["preemption_waits"] += 1
+            self._thread.drain()
 
     def _guarded(self, fn: Callable[[Job], bool | None], job: Job) -> bool:
         """fn(job); a bug of ours or an unexpected error fails this one load or save, never vLLM's step."""
@@ -284,6 +356,11 @@ class KVPoolConnector(KVConnectorBase_V1):
             for layer, cache in self._layers.items():
                 save_layer(cache, pool.blocks[:, :, layer], plan, self._save_bufs)
             link.stats["save_copy_ns"] += time.perf_counter_ns() - began
+            import os
+
+            os.environ.get("KVDBG") and print(
+                "DBG save", job.end - start, (time.perf_counter_ns() - began) / 1e6, flush=True
+            )
             if link.same_instance():
                 return True
             if not link.connect(at_start=False):
@@ -295,8 +372,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        if self._link.stats:
-            logger.info("kvpool connector (%s): %s", self.role.name.lower(), dict(self._link.stats))
+        if self._thread is not None:
+            self._thread.close()  # the queued saves run first
+        if self.stats:
+            logger.info("kvpool connector (%s): %s", self.role.name.lower(), self.stats)
         self._link.close()
 
 
