@@ -181,13 +181,16 @@ def report(args: argparse.Namespace, alone: dict[str, Any], first: dict[str, Any
           f"(target <= 1.5); saving adds {100 * (t['miss_total']['s'] / t['cold_total']['s'] - 1):+.1f}% to a "
           "miss's total (target <= 10%)")  # fmt: skip
     ceiling = copy_ceiling(args.prompt * token_bytes)
-    for name, stats, done in (("load", fresh["stats"], "loaded_tokens"), ("save", first["stats"], "saved_tokens")):
+    for name, stats, done, where in (
+        ("load", fresh["stats"], "loaded_tokens", "the step waits for them"),
+        ("save", first["stats"], "saved_tokens", "on the connector's thread, beside the steps"),
+    ):
         tokens, copy_ns, all_ns = stats.get(done, 0), stats.get(f"{name}_copy_ns"), stats.get(f"{name}_ns")
         if copy_ns:
             rate = tokens * token_bytes / (copy_ns / 1e9)
             print(f"  {name}: {tokens} tokens, {rate / 1e9:.2f} GB/s = {rate / ceiling:.0%} of a torch copy "
-                  f"({ceiling / 1e9:.2f} GB/s; target >= 50%); copies {copy_ns / 1e6:.1f} ms of the "
-                  f"{(all_ns or 0) / 1e6:.1f} ms the steps waited for {name}s")  # fmt: skip
+                  f"({ceiling / 1e9:.2f} GB/s; target >= 50%); copies {copy_ns / 1e6:.1f} ms of "
+                  f"{(all_ns or 0) / 1e6:.1f} ms in {name}s ({where})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,9 +18,8 @@ ids (what kvpool has already is matched, not copied), the rest appended, its K/V
 blocks into the pool at the appended slots, the server's instance checked, and the sequence freed,
 which commits the pages to kvpool's prefix cache. K/V moves only through the mapped pool.
 
-vLLM's block size and kvpool's page size are independent: vllm_copy moves whole pages and blocks (a
-load gathers the pages and stores the tokens with the attention backend's own cache writer; a save
-slices or gathers the blocks and stores each run of gcd(page, block) tokens into its page). A request's `cache_salt`
+vLLM's block size and kvpool's page size are independent: vllm_copy moves runs of gcd(page, block)
+tokens, every layer in one compiled pass (torch ops where it is not built). A request's `cache_salt`
 salts kvpool's prefix hashes, so different salts never share pages. One worker (no tensor or
 pipeline parallelism) and vLLM's CPU attention layout are supported; others are refused at start.
 """
@@ -47,7 +46,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
-from service.integrations.vllm_copy import Buffers, Writer, load_layer, load_plan, save_layer, save_plan
+from service.integrations.vllm_copy import KVCopier, Writer
 from service.integrations.vllm_layout import check_layout
 from service.integrations.vllm_metadata import Job, KVPoolMetadata, LoadJob, Pin, SaveJob, model_geometry
 from service.integrations.vllm_thread import WorkerThread
@@ -95,7 +94,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         # attention backend's writer into it (what loads store K/V with).
         self._layers: dict[int, torch.Tensor] = {}
         self._writers: dict[int, Writer] = {}
-        self._load_bufs, self._save_bufs = Buffers(), Buffers()
+        self._copier: KVCopier | None = None
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         # Saves run on the thread; these are shared with it (under _lock).
@@ -209,6 +208,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 f"KVPoolConnector: expected layers 0..{self._link.model.num_layers - 1}, "
                 f"vLLM registered {sorted(self._layers)}"
             )
+        self._copier = KVCopier(self._layers, self._writers, self._block_size)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -234,11 +234,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         pool = link.pool
         if pool is None:
             return False
+        assert self._copier is not None
         began = time.perf_counter_ns()
-        end = job.start + job.count
-        plan = load_plan(job.pages, pool.blocks.shape[3], job.block_ids, self._block_size, job.start, end)
-        for layer, write in self._writers.items():
-            load_layer(write, pool.blocks[:, :, layer], plan, self._load_bufs)
+        self._copier.load(pool.blocks, job.pages, job.block_ids, job.start, job.start + job.count)
         link.stats["load_copy_ns"] += time.perf_counter_ns() - began
         import os
 
@@ -351,10 +349,9 @@ class KVPoolConnector(KVConnectorBase_V1):
                 return False
             if attempt and not link.holds(seq_id, pages):
                 return False
+            assert self._copier is not None
             began = time.perf_counter_ns()
-            plan = save_plan(job.block_ids, self._block_size, pages, pool.blocks.shape[3], start, job.end)
-            for layer, cache in self._layers.items():
-                save_layer(cache, pool.blocks[:, :, layer], plan, self._save_bufs)
+            self._copier.save(pool.blocks, job.block_ids, pages, start, job.end)
             link.stats["save_copy_ns"] += time.perf_counter_ns() - began
             import os
 

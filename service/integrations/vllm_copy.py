@@ -1,5 +1,9 @@
 """K/V copies between vLLM's CPU KV blocks and kvpool's mapped pool, whole pages and blocks at a time.
 
+`KVCopier` does both directions for a worker: with the compiled copy (_vllm_copy.c, built by setup.py)
+one pass over every layer per call, runs of g = gcd(page_size, block_size) tokens, without the GIL
+(a save on the connector's thread leaves vLLM's Python running); else with the torch ops below.
+
 kvpool's pool is page-major, [num_pages + 1, 2, num_layers, page_size, kv_heads, head_dim]: one layer's K
 (or V) of a page is a contiguous [page_size, H, D], token-major. One layer's vLLM CPU block is
 [H, block_size, 2 * head_dim]: K stored transposed ([head_dim, block_size] per head), V as is (vllm_layout).
@@ -17,13 +21,26 @@ Buffers are kept between calls (a fresh tensor of megabytes pays its page faults
 `Buffers` per thread. Index tensors are built once per request (a plan), not per layer.
 """
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
 from service.integrations.vllm_layout import kv_views
+
+
+def _native() -> ModuleType | None:
+    try:
+        return importlib.import_module("service.integrations._vllm_copy")
+    except ImportError:  # not built (a source checkout without `pip install -e .`)
+        return None
+
+
+NATIVE = _native()
 
 # The backend's writer for one layer: (key [T, H, D], value [T, H, D], slots [T]) -> None.
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -132,3 +149,64 @@ def save_layer(cache: torch.Tensor, pool_layer: torch.Tensor, plan: SavePlan, bu
         runs = view.unflatten(2, (block_size // g, g))  # [n, H, runs per block, g, D]
         for run in plan.runs:
             dst[:, i].index_put_((run.pages, run.runs), runs[run.lo : run.hi, :, run.j].transpose(1, 2))
+
+
+def run_table(block_ids: list[int], block_size: int, pages: list[int], page_size: int, start: int, end: int) -> Any:
+    """int64 [n, 4]: (block, offset, page, offset) of each run of g = gcd(block_size, page_size) tokens in
+    [start, end) of a sequence (block_ids / pages from its token 0), as a numpy array."""
+    g = math.gcd(block_size, page_size)
+    if start % g or end % g:
+        raise ValueError(f"tokens [{start}, {end}) are not runs of {g}")
+    tokens = torch.arange(start, end, g)
+    blocks, page_ids = torch.tensor(block_ids, dtype=torch.int64), torch.tensor(pages, dtype=torch.int64)
+    table = [blocks[tokens // block_size], tokens % block_size, page_ids[tokens // page_size], tokens % page_size]
+    return torch.stack(table, dim=1).contiguous().numpy()
+
+
+def raw(tensor: torch.Tensor) -> Any:
+    """The tensor's memory as a numpy array of same-size integers (numpy has no bfloat16; a copy is bits)."""
+    return tensor.view({4: torch.int32, 2: torch.int16}[tensor.element_size()]).numpy()
+
+
+class KVCopier:
+    """Loads and saves of whole runs for one worker: caches[layer] is vLLM's cache of that layer, writers[layer]
+    its attention backend's cache writer (the torch path's loads store with it)."""
+
+    def __init__(
+        self, caches: dict[int, torch.Tensor], writers: dict[int, Writer], block_size: int, native: bool = True
+    ) -> None:
+        self.caches, self.writers, self.block_size = caches, writers, block_size
+        layers = [caches[i] for i in range(len(caches))]
+        use = (
+            native and NATIVE is not None and all(c.device.type == "cpu" and c.element_size() in (2, 4) for c in layers)
+        )
+        self._raw = [raw(c) for c in layers] if use else None
+        self._load_bufs, self._save_bufs = Buffers(), Buffers()  # one each: loads and saves may run on two threads
+
+    @property
+    def native(self) -> bool:
+        return self._raw is not None
+
+    def load(self, pool: torch.Tensor, pages: list[int], block_ids: list[int], start: int, end: int) -> None:
+        """Tokens [start, end) from the pool (pool.blocks, [P + 1, 2, L, page_size, H, D]) into vLLM's blocks."""
+        if self._raw is not None and NATIVE is not None:
+            g = math.gcd(self.block_size, pool.shape[3])
+            NATIVE.copy(
+                raw(pool), self._raw, run_table(block_ids, self.block_size, pages, pool.shape[3], start, end), g, False
+            )
+            return
+        plan = load_plan(pages, pool.shape[3], block_ids, self.block_size, start, end)
+        for layer, write in self.writers.items():
+            load_layer(write, pool[:, :, layer], plan, self._load_bufs)
+
+    def save(self, pool: torch.Tensor, block_ids: list[int], pages: list[int], start: int, end: int) -> None:
+        """Tokens [start, end) from vLLM's blocks into the pool's pages."""
+        if self._raw is not None and NATIVE is not None:
+            g = math.gcd(self.block_size, pool.shape[3])
+            NATIVE.copy(
+                raw(pool), self._raw, run_table(block_ids, self.block_size, pages, pool.shape[3], start, end), g, True
+            )
+            return
+        plan = save_plan(block_ids, self.block_size, pages, pool.shape[3], start, end)
+        for layer, cache in self.caches.items():
+            save_layer(cache, pool[:, :, layer], plan, self._save_bufs)

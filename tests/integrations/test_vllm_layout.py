@@ -61,20 +61,25 @@ def cpu_writer(cache: torch.Tensor) -> Any:
     return write
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 48])
 @pytest.mark.parametrize("consecutive", [False, True])
-@pytest.mark.parametrize(("start", "end"), [(0, 96), (32, 192), (96, 192), (0, 16), (48, 144)])
-def test_save_and_load_match_a_token_by_token_copy(page_size: int, consecutive: bool, start: int, end: int) -> None:
-    """Tokens [start, end) of a sequence go from vLLM blocks (32) into pool pages and back, exactly, and
-    nothing else in the pool or the blocks changes; ids scattered or consecutive."""
-    from service.integrations.vllm_copy import Buffers, load_layer, load_plan, save_layer, save_plan
+@pytest.mark.parametrize(("first", "last"), [(0, 3), (1, 4), (2, 3), (0, 1)])
+def test_save_and_load_match_a_token_by_token_copy(
+    native: bool, dtype: torch.dtype, page_size: int, consecutive: bool, first: int, last: int
+) -> None:
+    """The tokens of pages [first, last) of a sequence go from vLLM blocks (32) into pool pages and back,
+    exactly, and nothing else in the pool or the blocks changes; ids scattered or consecutive."""
+    from service.integrations.vllm_copy import NATIVE, KVCopier
 
-    if start % page_size or end % page_size:
-        pytest.skip("the connector saves and loads whole pages")
+    start, end = first * page_size, last * page_size  # the connector saves and loads whole pages
+    if native and NATIVE is None:
+        pytest.fail("service/integrations/_vllm_copy.c is not built (python setup.py build_ext --inplace)")
     gen = torch.Generator().manual_seed(start * 1000 + end + page_size)
-    layers, num_blocks, num_pages, heads, d, block = 2, 9, 13, 2, 32, 32
-    caches = [torch.randn(num_blocks, heads, block, 2 * d, generator=gen) for _ in range(layers)]
-    pool = torch.randn(num_pages + 1, 2, layers, page_size, heads, d, generator=gen)
+    layers, num_blocks, num_pages, heads, d, block = 2, 12, 13, 2, 32, 32
+    caches = [torch.randn(num_blocks, heads, block, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
+    pool = torch.randn(num_pages + 1, 2, layers, page_size, heads, d, generator=gen).to(dtype)
     n_blocks, n_pages = -(-end // block), -(-end // page_size)
     if consecutive:
         block_ids, pages = list(range(2, 2 + n_blocks)), list(range(1, 1 + n_pages))
@@ -89,25 +94,44 @@ def test_save_and_load_match_a_token_by_token_copy(page_size: int, consecutive: 
         k, v = kv_views(cache)
         expected[in_pages[0], 0, layer, in_pages[1]] = k[in_blocks[0], :, in_blocks[1]]
         expected[in_pages[0], 1, layer, in_pages[1]] = v[in_blocks[0], :, in_blocks[1]]
-    bufs = Buffers()
+    copier = KVCopier(dict(enumerate(caches)), {}, block, native=native)
+    assert copier.native == native
     for _ in range(2):  # the second time through reused buffers
-        plan = save_plan(block_ids, block, pages, page_size, start, end)
-        for layer, cache in enumerate(caches):
-            save_layer(cache, pool[:, :, layer], plan, bufs)
+        copier.save(pool, block_ids, pages, start, end)
         assert torch.equal(pool, expected)
     loaded = [torch.zeros_like(cache) for cache in caches]
-    load = load_plan(pages, page_size, block_ids, block, start, end)
-    for layer, cache in enumerate(loaded):
-        load_layer(cpu_writer(cache), pool[:, :, layer], load, bufs)
+    writers = {layer: cpu_writer(cache) for layer, cache in enumerate(loaded)}
+    KVCopier(dict(enumerate(loaded)), writers, block, native=native).load(pool, pages, block_ids, start, end)
     for cache, original in zip(loaded, caches, strict=True):
         (k, v), (k0, v0) = kv_views(cache), kv_views(original)
         assert torch.equal(k[in_blocks[0], :, in_blocks[1]], k0[in_blocks[0], :, in_blocks[1]])
         assert torch.equal(v[in_blocks[0], :, in_blocks[1]], v0[in_blocks[0], :, in_blocks[1]])
-        assert int((cache != 0).sum()) == 2 * (end - start) * heads * d  # no other slot written
+        copied = k0[in_blocks[0], :, in_blocks[1]], v0[in_blocks[0], :, in_blocks[1]]
+        assert int((cache != 0).sum()) == sum(int((x != 0).sum()) for x in copied)  # nothing else written
+
+
+def test_the_compiled_copy_checks_every_run_before_it_writes() -> None:
+    from service.integrations.vllm_copy import NATIVE, raw
+
+    if NATIVE is None:
+        pytest.fail("service/integrations/_vllm_copy.c is not built (python setup.py build_ext --inplace)")
+    caches = [torch.zeros(4, 2, 32, 16) for _ in range(2)]
+    pool = torch.ones(5, 2, 2, 16, 2, 8)
+    good, bad = [1, 0, 1, 0], [3, 16, 4, 8]  # the second run ends past its page and block
+    runs = torch.tensor([good, bad], dtype=torch.int64).numpy()
+    with pytest.raises(ValueError, match=r"run 1 \(block 3 \+ 16, page 4 \+ 8\) is outside"):
+        NATIVE.copy(raw(pool), [raw(c) for c in caches], runs, 16, False)
+    assert all(int(c.count_nonzero()) == 0 for c in caches)  # not even the good run was copied
+    with pytest.raises(ValueError, match="one layer per cache"):
+        NATIVE.copy(raw(pool), [raw(caches[0])], runs[:1], 16, False)
+    with pytest.raises(ValueError, match="expected \\[blocks, H, block_size, 2 \\* D\\]"):
+        NATIVE.copy(raw(pool), [raw(caches[0]), raw(torch.zeros(4, 3, 32, 16))], runs[:1], 16, False)
 
 
 def test_a_save_of_tokens_that_are_not_whole_runs_is_refused() -> None:
-    from service.integrations.vllm_copy import save_plan
+    from service.integrations.vllm_copy import run_table, save_plan
 
     with pytest.raises(ValueError, match=r"tokens \[8, 32\) are not runs of 16"):
         save_plan([0], 32, [1, 2], 16, 8, 32)
+    with pytest.raises(ValueError, match=r"tokens \[8, 32\) are not runs of 16"):
+        run_table([0], 32, [1, 2], 16, 8, 32)
