@@ -80,9 +80,9 @@ def phase(config: dict[str, Any]) -> None:
     print("RESULT " + json.dumps({"times": times, "stats": stats, "ceiling": ceiling}), flush=True)
 
 
-def run_phase(model: str, url: str | None, prefix_caching: bool, runs: list[Any], token_bytes: int) -> dict[str, Any]:
-    settings = {"model": model, "kvpool_url": url, "prefix_caching": prefix_caching, "runs": runs}
-    settings["token_bytes"] = token_bytes
+def run_phase(model: str, url: str | None, prefix_caching: bool, runs: list[Any], per_token: int) -> dict[str, Any]:
+    settings: dict[str, Any] = {"model": model, "kvpool_url": url, "prefix_caching": prefix_caching, "runs": runs}
+    settings["token_bytes"] = per_token
     config = json.dumps({**settings, "warmup_tokens": len(runs[0][1])})
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
