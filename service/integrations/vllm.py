@@ -132,7 +132,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         link = self._link
         if not link.usable():
             return None
+        began = time.perf_counter_ns()
         info = link.create(list(request.all_token_ids), request.cache_salt)
+        link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
         if info is None:
             return None
         hit = info.cached_tokens // self._block_size * self._block_size
@@ -185,7 +187,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         req_id = request.request_id
         pin = self._pins.pop(req_id, None)
         if pin is not None:
+            began = time.perf_counter_ns()
             self._link.free(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
+            self._link.stats["release_ns"] += time.perf_counter_ns() - began
         self._requests.pop(req_id, None)
         self._saved.pop(req_id, None)
         # A request given saves keeps its blocks until the worker's get_finished says they are copied.
