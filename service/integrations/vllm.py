@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from service.client import SequenceInfo
+
 logger = logging.getLogger(__name__)
 
 
@@ -102,10 +104,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._pending: Counter[str] = Counter()  # queued or running saves of each request
         self._save_reqs: set[str] = set()  # requests the scheduler gave a save (it delays their blocks' free)
         self._finishing: set[str] = set()  # of those, the finished ones whose saves are still pending
-        self._thread = WorkerThread(int(extra.get("max_queued_saves", 64))) if is_worker else None
+        # The connector's thread: every call on the link runs there (scheduler side: lookups, waited for, and
+        # releases, not waited for; worker side: loads, waited for, and saves, not waited for).
+        self._thread = WorkerThread(int(extra.get("max_queued_saves", 64)))
         self._waits: Counter[str] = Counter()  # counted on vLLM's thread (link.stats: on the connector's)
-        if self._thread is not None:
-            atexit.register(self._thread.close)  # an exit without shutdown() still runs the queued saves
+        atexit.register(self._thread.close)  # an exit without shutdown() still runs what is queued
 
     @property
     def stats(self) -> dict[str, int]:
@@ -114,8 +117,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def wait_for_saves(self) -> None:
         """Wait until every save queued so far is done (saves run on the connector's thread)."""
-        if self._thread is not None:
-            self._thread.drain()
+        self._thread.drain()
 
     # ==== scheduler side ==========================================================================
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -129,18 +131,23 @@ class KVPoolConnector(KVConnectorBase_V1):
         return max(0, pin.hit - num_computed_tokens), False
 
     def _pin(self, request: "Request") -> Pin | None:
-        link = self._link
-        if not link.usable():
-            return None
-        began = time.perf_counter_ns()
-        info = link.create(list(request.all_token_ids), request.cache_salt)
-        link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
+        link, token_ids, salt = self._link, list(request.all_token_ids), request.cache_salt
+
+        def lookup() -> "SequenceInfo | None":
+            if not link.usable():
+                return None
+            began = time.perf_counter_ns()
+            info = link.create(token_ids, salt)
+            link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
+            return info
+
+        info = self._thread.run(lookup)
         if info is None:
             return None
         hit = info.cached_tokens // self._block_size * self._block_size
         self._saved[request.request_id] = max(self._saved.get(request.request_id, 0), info.cached_tokens)
         if hit == 0:
-            link.free(info.seq_id)
+            self._release(info.seq_id)
             return None
         pages = info.block_table[: -(-hit // link.page_size)]
         pin = Pin(info.seq_id, pages, hit, info.cached_tokens)
@@ -187,9 +194,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         req_id = request.request_id
         pin = self._pins.pop(req_id, None)
         if pin is not None:
-            began = time.perf_counter_ns()
-            self._link.free(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
-            self._link.stats["release_ns"] += time.perf_counter_ns() - began
+            self._release(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
         self._requests.pop(req_id, None)
         self._saved.pop(req_id, None)
         # A request given saves keeps its blocks until the worker's get_finished says they are copied.
@@ -197,6 +202,17 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._saving.discard(req_id)
             return True, None
         return False, None
+
+    def _release(self, seq_id: str) -> None:
+        """Free a pin on the connector's thread; vLLM's scheduler does not wait for it."""
+
+        def release() -> None:
+            began = time.perf_counter_ns()
+            self._link.free(seq_id)
+            self._link.stats["release_ns"] += time.perf_counter_ns() - began
+
+        if self._thread.submit(release):
+            self._waits["release_queue_full"] += 1
 
     # ==== worker side =============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -216,7 +232,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVPoolMetadata) and self._thread is not None
+        assert isinstance(meta, KVPoolMetadata)
         self._failed_reqs = set()
         if meta.loads:
             self._thread.run(lambda: self._run_loads(meta.loads))  # the forward needs them: wait
@@ -263,7 +279,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Queue this step's saves on the connector's thread; the step does not wait for them."""
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVPoolMetadata) and self._thread is not None
+        assert isinstance(meta, KVPoolMetadata)
         failed = self._failed_reqs  # this step's failed loads (the loads ran before the forward)
         for job in meta.saves:
             with self._lock:
@@ -299,7 +315,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM freed the blocks of preempted requests (no request_finished) and may write into them in this
         step: their queued saves read those blocks, so they run first."""
-        assert isinstance(kv_connector_metadata, KVPoolMetadata) and self._thread is not None
+        assert isinstance(kv_connector_metadata, KVPoolMetadata)
         with self._lock:
             waiting = bool(kv_connector_metadata.preempted & set(self._pending))
         if waiting:
@@ -373,8 +389,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        if self._thread is not None:
-            self._thread.close()  # the queued saves run first
+        self._thread.close()  # what is queued runs first
         if self.stats:
             logger.info("kvpool connector (%s): %s", self.role.name.lower(), self.stats)
         self._link.close()

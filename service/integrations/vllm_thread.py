@@ -1,10 +1,12 @@
-"""The worker connector's own thread: every kvpool call and K/V copy of the worker runs here, in order.
+"""A connector's own thread: every kvpool call and K/V copy of that connector runs here, in order.
 
-- One thread owns the worker's KVPoolLink (its mapped pool is replaced on a reconnect: a load on one
-  thread while another remaps would read unmapped memory), so nothing else needs a lock around it.
-- Loads are waited for (the forward needs them); saves are not: vLLM's step goes on while they run, and
-  vLLM keeps a finished request's blocks until the connector reports its saves done (get_finished).
-  Queued loads run before queued saves. At most `max_saves` saves wait; one more blocks the caller.
+- One thread owns the connector's KVPoolLink (the worker's mapped pool is replaced on a reconnect: a
+  load on one thread while another remaps would read unmapped memory), so nothing needs a lock around it.
+- `run` jobs are waited for and go ahead of queued `submit` jobs, which are not waited for. Worker
+  side: loads (the forward needs them) and saves (vLLM's step goes on while they run, and vLLM keeps a
+  finished request's blocks until the connector reports its saves done, in get_finished). Scheduler
+  side: lookups and the release of pins. At most `max_saves` submitted jobs wait; one more blocks the
+  caller.
 - Copies here run on one intra-op thread. vLLM's CPU worker keeps its OpenMP threads for the model;
   a parallel copy in vLLM's step stalls whenever one of those threads is descheduled (measured in the
   engine on a loaded 2-core machine: the same 2,048-token load took 2.4 ms at best and up to 230 ms),
