@@ -132,11 +132,16 @@ def run_phase(model: str, url: str | None, prefix_caching: bool, runs: list[Any]
     settings: dict[str, Any] = {"model": model, "kvpool_url": url, "prefix_caching": prefix_caching, "runs": runs}
     settings["token_bytes"] = per_token
     config = json.dumps({**settings, "warmup_tokens": len(runs[0][1])})
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:  # (too long for an argument)
+        f.write(config)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.vllm_connector", "--phase", config],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.vllm_connector", "--phase", f.name],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+    finally:
+        os.unlink(f.name)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[len("RESULT ") :]))
@@ -169,10 +174,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--phase", help=argparse.SUPPRESS)  # a JSON file: one engine's runs
     args = parser.parse_args()
     if args.phase:
-        phase(json.loads(args.phase))
+        phase(json.loads(Path(args.phase).read_text()))
         return
     with tempfile.TemporaryDirectory() as tmp:
         model = str(Path(tmp) / "model")
