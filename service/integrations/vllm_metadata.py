@@ -44,6 +44,7 @@ class SaveJob:
 class KVPoolMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # requests vLLM preempted in this step (their blocks freed)
 
 
 Job = TypeVar("Job", LoadJob, SaveJob)

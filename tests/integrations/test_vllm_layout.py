@@ -46,25 +46,92 @@ def test_a_layout_it_does_not_know_is_refused() -> None:
         check_layout(layer, torch.zeros(2, 4, 32, 2, 32))  # a GPU-style [2, blocks, block_size, heads, d]
 
 
-@pytest.mark.parametrize("unit_size", [16, 32])
-@pytest.mark.parametrize(("start", "end"), [(0, 64), (32, 96), (5, 70), (17, 18), (0, 1)])
-def test_read_and_write_tokens_match_a_token_by_token_copy(unit_size: int, start: int, end: int) -> None:
-    from service.integrations.vllm_layout import read_tokens, write_tokens
+def cpu_writer(cache: torch.Tensor) -> Any:
+    """vLLM's CPU cache writer for `cache` (what the connector's loads store K/V with)."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    gen = torch.Generator().manual_seed(start * 1000 + end)
-    num_units, heads, d = 12, 2, 8
-    units = torch.randn(num_units, heads, unit_size, d, generator=gen)
-    unit_ids = torch.randperm(num_units, generator=gen).tolist()  # the sequence's units, out of order
+    num_blocks, heads, block_size, twice_d = cache.shape
+    isa = _get_attn_isa(cache.dtype, block_size, twice_d // 2)
+
+    def write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        key_cache, value_cache = cache.view(num_blocks, heads, 2 * block_size, twice_d // 2).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    return write
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [16, 32, 64, 48])
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize(("first", "last"), [(0, 3), (1, 4), (2, 3), (0, 1)])
+def test_save_and_load_match_a_token_by_token_copy(
+    native: bool, dtype: torch.dtype, page_size: int, consecutive: bool, first: int, last: int
+) -> None:
+    """The tokens of pages [first, last) of a sequence go from vLLM blocks (32) into pool pages and back,
+    exactly, and nothing else in the pool or the blocks changes; ids scattered or consecutive."""
+    from service.integrations.vllm_copy import NATIVE, KVCopier
+
+    start, end = first * page_size, last * page_size  # the connector saves and loads whole pages
+    if native and NATIVE is None:
+        pytest.fail("service/integrations/_vllm_copy.c is not built (python setup.py build_ext --inplace)")
+    gen = torch.Generator().manual_seed(start * 1000 + end + page_size)
+    layers, num_blocks, num_pages, heads, d, block = 2, 12, 13, 2, 32, 32
+    caches = [torch.randn(num_blocks, heads, block, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
+    pool = torch.randn(num_pages + 1, 2, layers, page_size, heads, d, generator=gen).to(dtype)
+    n_blocks, n_pages = -(-end // block), -(-end // page_size)
+    if consecutive:
+        block_ids, pages = list(range(2, 2 + n_blocks)), list(range(1, 1 + n_pages))
+    else:
+        block_ids = torch.randperm(num_blocks, generator=gen)[:n_blocks].tolist()
+        pages = (torch.randperm(num_pages, generator=gen) + 1)[:n_pages].tolist()
     tokens = torch.arange(start, end)
-    where = torch.tensor(unit_ids)[tokens // unit_size], tokens % unit_size
-    assert torch.equal(read_tokens(units, unit_ids, start, end), units[where[0], :, where[1]])
-    values = torch.randn(end - start, heads, d, generator=gen)
-    expected = units.clone()
-    expected[where[0], :, where[1]] = values
-    write_tokens(units, unit_ids, start, values)
-    assert torch.equal(units, expected)  # the tokens written, and nothing else changed
-    # A transposed view, as the pool is read ([pages, P, H, D] -> [pages, H, P, D]): writes land in the base.
-    base = torch.zeros(num_units, unit_size, heads, d)
-    write_tokens(base.transpose(1, 2), unit_ids, start, values)
-    assert torch.equal(base.transpose(1, 2)[where[0], :, where[1]], values)
-    assert int((base != 0).sum()) == values.numel()
+    in_blocks = torch.tensor(block_ids)[tokens // block], tokens % block
+    in_pages = torch.tensor(pages)[tokens // page_size], tokens % page_size
+    expected = pool.clone()
+    for layer, cache in enumerate(caches):
+        k, v = kv_views(cache)
+        expected[in_pages[0], 0, layer, in_pages[1]] = k[in_blocks[0], :, in_blocks[1]]
+        expected[in_pages[0], 1, layer, in_pages[1]] = v[in_blocks[0], :, in_blocks[1]]
+    copier = KVCopier(dict(enumerate(caches)), {}, block, native=native)
+    assert copier.native == native
+    for _ in range(2):  # the second time through reused buffers
+        copier.save(pool, block_ids, pages, start, end)
+        assert torch.equal(pool, expected)
+    loaded = [torch.zeros_like(cache) for cache in caches]
+    writers = {layer: cpu_writer(cache) for layer, cache in enumerate(loaded)}
+    KVCopier(dict(enumerate(loaded)), writers, block, native=native).load(pool, pages, block_ids, start, end)
+    for cache, original in zip(loaded, caches, strict=True):
+        (k, v), (k0, v0) = kv_views(cache), kv_views(original)
+        assert torch.equal(k[in_blocks[0], :, in_blocks[1]], k0[in_blocks[0], :, in_blocks[1]])
+        assert torch.equal(v[in_blocks[0], :, in_blocks[1]], v0[in_blocks[0], :, in_blocks[1]])
+        copied = k0[in_blocks[0], :, in_blocks[1]], v0[in_blocks[0], :, in_blocks[1]]
+        assert int((cache != 0).sum()) == sum(int((x != 0).sum()) for x in copied)  # nothing else written
+
+
+def test_the_compiled_copy_checks_every_run_before_it_writes() -> None:
+    from service.integrations.vllm_copy import NATIVE, raw
+
+    if NATIVE is None:
+        pytest.fail("service/integrations/_vllm_copy.c is not built (python setup.py build_ext --inplace)")
+    caches = [torch.zeros(4, 2, 32, 16) for _ in range(2)]
+    pool = torch.ones(5, 2, 2, 16, 2, 8)
+    good, bad = [1, 0, 1, 0], [3, 16, 4, 8]  # the second run ends past its page and block
+    runs = torch.tensor([good, bad], dtype=torch.int64).numpy()
+    with pytest.raises(ValueError, match=r"run 1 \(block 3 \+ 16, page 4 \+ 8\) is outside"):
+        NATIVE.copy(raw(pool), [raw(c) for c in caches], runs, 16, False)
+    assert all(int(c.count_nonzero()) == 0 for c in caches)  # not even the good run was copied
+    with pytest.raises(ValueError, match="one layer per cache"):
+        NATIVE.copy(raw(pool), [raw(caches[0])], runs[:1], 16, False)
+    with pytest.raises(ValueError, match="expected \\[blocks, H, block_size, 2 \\* D\\]"):
+        NATIVE.copy(raw(pool), [raw(caches[0]), raw(torch.zeros(4, 3, 32, 16))], runs[:1], 16, False)
+
+
+def test_a_save_of_tokens_that_are_not_whole_runs_is_refused() -> None:
+    from service.integrations.vllm_copy import run_table, save_plan
+
+    with pytest.raises(ValueError, match=r"tokens \[8, 32\) are not runs of 16"):
+        save_plan([0], 32, [1, 2], 16, 8, 32)
+    with pytest.raises(ValueError, match=r"tokens \[8, 32\) are not runs of 16"):
+        run_table([0], 32, [1, 2], 16, 8, 32)

@@ -3,8 +3,9 @@
     python -m tests.integrations.vllm_engine '{"model": DIR, "block_size": 32, "kvpool_url": URL or null}'
 
 Reads one JSON request per line, [{"token_ids": [...], "cache_salt": "..."}, ...], generates them
-(greedy, max_tokens new tokens) and answers one line: {"outputs": [{"token_ids", "num_cached_tokens"}],
-"stats": the connector's counters}. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+(greedy, max_tokens new tokens), waits for the connector's saves, and answers one line: {"outputs":
+[{"token_ids", "num_cached_tokens"}], "stats": the connector's counters}. The engine runs in this
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
 
 import faulthandler
@@ -51,7 +52,10 @@ def main() -> None:
             for p in json.loads(line)
         ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        stats = get_kv_transfer_group().stats if has_kv_transfer_group() else {}
+        stats = {}
+        if has_kv_transfer_group():  # saves run on the connector's thread: let them finish, then count
+            get_kv_transfer_group().wait_for_saves()
+            stats = get_kv_transfer_group().stats
         answer = [
             {"token_ids": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens} for o in outputs
         ]

@@ -1,0 +1,209 @@
+/* K/V copies between vLLM's CPU KV blocks and kvpool's page-major pool, every layer in one pass, without
+ * the GIL. The Python side (service/integrations/vllm_copy.py) plans the runs; the tests hold this to
+ * a token-by-token torch copy.
+ *
+ * pool:   [P + 1, 2, L, page_size, H, D]   one page of one layer's K (or V): [page_size, H, D]
+ * caches: L buffers [blocks, H, block_size, 2 * D]: per block and head, K transposed ([D, block_size])
+ *         then V ([block_size, D]), vLLM 0.32's CPU attention layout (checked at start by vllm_layout)
+ * runs:   int64 [n, 4]: (block, offset in block, page, offset in page) of each run of `g` tokens
+ *
+ * Every argument and every run is checked before anything is copied, so a failure writes nothing. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* A C-contiguous, writable buffer of `ndim` dimensions with items of 2 or 4 bytes (int64 for runs). */
+static int get_buffer(PyObject *obj, Py_buffer *view, int ndim, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->ndim != ndim) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous %d-D array", what, ndim);
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+/* One run of g tokens of one layer. V: per token, H rows of D, contiguous on vLLM's side per head and
+ * one [H * D] row on the pool's. K: per head a transpose, [D, block_size] on vLLM's side and [g, H * D]
+ * rows on the pool's; for 4-byte items it goes 4 x 4 at a time through vector registers (GCC's vector
+ * extension: SSE on any x86-64), else one item at a time. `row` = H * D, `hs` = the head stride in the cache. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define HAVE_TRANSPOSE4 1
+typedef uint32_t v4u __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+/* dst[j * dstride + i] = src[i * sstride + j] for i, j < 4. */
+static inline void transpose4(const uint32_t *src, Py_ssize_t sstride, uint32_t *dst, Py_ssize_t dstride) {
+    v4u a, b, c, d;
+    memcpy(&a, src, 16);
+    memcpy(&b, src + sstride, 16);
+    memcpy(&c, src + 2 * sstride, 16);
+    memcpy(&d, src + 3 * sstride, 16);
+    const v4u ab0 = __builtin_shuffle(a, b, (v4i){0, 4, 1, 5}), ab1 = __builtin_shuffle(a, b, (v4i){2, 6, 3, 7});
+    const v4u cd0 = __builtin_shuffle(c, d, (v4i){0, 4, 1, 5}), cd1 = __builtin_shuffle(c, d, (v4i){2, 6, 3, 7});
+    const v4u r0 = __builtin_shuffle(ab0, cd0, (v4i){0, 1, 4, 5}), r1 = __builtin_shuffle(ab0, cd0, (v4i){2, 3, 6, 7});
+    const v4u r2 = __builtin_shuffle(ab1, cd1, (v4i){0, 1, 4, 5}), r3 = __builtin_shuffle(ab1, cd1, (v4i){2, 3, 6, 7});
+    memcpy(dst, &r0, 16);
+    memcpy(dst + dstride, &r1, 16);
+    memcpy(dst + 2 * dstride, &r2, 16);
+    memcpy(dst + 3 * dstride, &r3, 16);
+}
+#endif
+
+#define RUN_COPY(T)                                                                                           \
+    static void run_##T(T *restrict page_k, T *restrict page_v, T *restrict block, Py_ssize_t off, Py_ssize_t g, \
+                        Py_ssize_t H, Py_ssize_t D, Py_ssize_t bs, int to_pool) {                              \
+        const Py_ssize_t row = H * D, hs = bs * 2 * D;                                                         \
+        for (Py_ssize_t t = 0; t < g; t++)                                                                     \
+            for (Py_ssize_t h = 0; h < H; h++) {                                                               \
+                T *v = block + h * hs + bs * D + (off + t) * D, *pv = page_v + t * row + h * D;                \
+                if (to_pool)                                                                                   \
+                    memcpy(pv, v, D * sizeof(T));                                                              \
+                else                                                                                           \
+                    memcpy(v, pv, D * sizeof(T));                                                              \
+            }                                                                                                  \
+        if (FAST_##T && g % 4 == 0 && D % 4 == 0) {                                                            \
+            for (Py_ssize_t t = 0; t < g; t += 4)                                                              \
+                for (Py_ssize_t h = 0; h < H; h++)                                                             \
+                    for (Py_ssize_t d = 0; d < D; d += 4) {                                                    \
+                        T *k = block + h * hs + d * bs + off + t, *pk = page_k + t * row + h * D + d;          \
+                        if (to_pool)                                                                           \
+                            TRANSPOSE_##T(k, bs, pk, row);                                                     \
+                        else                                                                                   \
+                            TRANSPOSE_##T(pk, row, k, bs);                                                     \
+                    }                                                                                          \
+            return;                                                                                            \
+        }                                                                                                      \
+        for (Py_ssize_t t = 0; t < g; t++)                                                                     \
+            for (Py_ssize_t h = 0; h < H; h++) {                                                               \
+                T *k = block + h * hs + off + t, *pk = page_k + t * row + h * D;                               \
+                for (Py_ssize_t d = 0; d < D; d++) {                                                           \
+                    if (to_pool)                                                                               \
+                        pk[d] = k[d * bs];                                                                     \
+                    else                                                                                       \
+                        k[d * bs] = pk[d];                                                                     \
+                }                                                                                              \
+            }                                                                                                  \
+    }
+#ifdef HAVE_TRANSPOSE4
+#define FAST_uint32_t 1
+#define TRANSPOSE_uint32_t transpose4
+#else
+#define FAST_uint32_t 0
+#define TRANSPOSE_uint32_t(a, b, c, d) ((void)(a), (void)(b), (void)(c), (void)(d))
+#endif
+#define FAST_uint16_t 0
+#define TRANSPOSE_uint16_t(a, b, c, d) ((void)(a), (void)(b), (void)(c), (void)(d))
+RUN_COPY(uint32_t)
+RUN_COPY(uint16_t)
+
+#define COPY_LOOP(T)                                                                                         \
+    for (Py_ssize_t r = 0; r < n_runs; r++) {                                                                \
+        const int64_t *run = runs + 4 * r;                                                                   \
+        for (Py_ssize_t l = 0; l < L; l++) {                                                                 \
+            T *page = (T *)pool->buf + run[2] * page_stride + l * layer_stride + run[3] * H * D;              \
+            run_##T(page, page + L * layer_stride, (T *)caches[l].buf + run[0] * block_stride, run[1], g, H, D, \
+                    bs, to_pool);                                                                            \
+        }                                                                                                    \
+    }
+
+static void copy_runs(const Py_buffer *pool, const Py_buffer *caches, const int64_t *runs, Py_ssize_t n_runs,
+                      Py_ssize_t g, int to_pool) {
+    const Py_ssize_t L = pool->shape[2], ps = pool->shape[3], H = pool->shape[4], D = pool->shape[5];
+    const Py_ssize_t bs = caches[0].shape[2];
+    const Py_ssize_t layer_stride = ps * H * D, page_stride = 2 * L * layer_stride;
+    const Py_ssize_t block_stride = H * bs * 2 * D;
+    (void)ps;
+    if (pool->itemsize == 4) {
+        COPY_LOOP(uint32_t)
+    } else {
+        COPY_LOOP(uint16_t)
+    }
+}
+
+static PyObject *copy(PyObject *self, PyObject *args) {
+    PyObject *pool_obj, *caches_obj, *runs_obj;
+    Py_ssize_t g;
+    int to_pool;
+    if (!PyArg_ParseTuple(args, "OOOnp", &pool_obj, &caches_obj, &runs_obj, &g, &to_pool))
+        return NULL;
+    PyObject *seq = PySequence_Fast(caches_obj, "caches: expected a sequence of arrays");
+    if (seq == NULL)
+        return NULL;
+    Py_buffer pool = {0}, runs = {0};
+    Py_ssize_t n_caches = PySequence_Fast_GET_SIZE(seq), got = 0;
+    Py_buffer *caches = PyMem_Calloc(n_caches > 0 ? n_caches : 1, sizeof(Py_buffer));
+    PyObject *result = NULL;
+    if (caches == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (get_buffer(pool_obj, &pool, 6, "pool") < 0 || get_buffer(runs_obj, &runs, 2, "runs") < 0)
+        goto done;
+    if ((pool.itemsize != 2 && pool.itemsize != 4) || pool.shape[1] != 2 || pool.shape[2] != n_caches ||
+        n_caches == 0) {
+        PyErr_SetString(PyExc_ValueError, "pool: expected [pages, 2, layers, page_size, H, D] of 2- or 4-byte items, "
+                                          "one layer per cache");
+        goto done;
+    }
+    if (runs.itemsize != 8 || runs.shape[1] != 4) {
+        PyErr_SetString(PyExc_ValueError, "runs: expected int64 [n, 4]");
+        goto done;
+    }
+    const Py_ssize_t ps = pool.shape[3], H = pool.shape[4], D = pool.shape[5];
+    for (; got < n_caches; got++) {
+        if (get_buffer(PySequence_Fast_GET_ITEM(seq, got), &caches[got], 4, "cache") < 0)
+            goto done;
+        const Py_buffer *c = &caches[got];
+        if (c->itemsize != pool.itemsize || c->shape[1] != H || c->shape[3] != 2 * D ||
+            c->shape[2] != caches[0].shape[2] || c->shape[0] != caches[0].shape[0]) {
+            got++;
+            PyErr_SetString(PyExc_ValueError, "cache: expected [blocks, H, block_size, 2 * D] like the pool and the "
+                                              "other layers");
+            goto done;
+        }
+    }
+    const Py_ssize_t blocks = caches[0].shape[0], bs = caches[0].shape[2], n_runs = runs.shape[0];
+    const int64_t *r = runs.buf;
+    if (g <= 0) {
+        PyErr_SetString(PyExc_ValueError, "g: expected a positive run length");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n_runs; i++, r += 4) {
+        if (r[0] < 0 || r[0] >= blocks || r[1] < 0 || r[1] + g > bs || r[2] < 0 || r[2] >= pool.shape[0] ||
+            r[3] < 0 || r[3] + g > ps) {
+            PyErr_Format(PyExc_ValueError, "run %zd (block %lld + %lld, page %lld + %lld) is outside the cache or "
+                         "the pool", i, (long long)r[0], (long long)r[1], (long long)r[2], (long long)r[3]);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_runs(&pool, caches, runs.buf, n_runs, g, to_pool);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        if (caches[i].obj != NULL)
+            PyBuffer_Release(&caches[i]);
+    if (pool.obj != NULL)
+        PyBuffer_Release(&pool);
+    if (runs.obj != NULL)
+        PyBuffer_Release(&runs);
+    PyMem_Free(caches);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"copy", copy, METH_VARARGS,
+     "copy(pool, caches, runs, g, to_pool): copy the runs of g tokens of every layer, vLLM blocks -> pool pages "
+     "(to_pool) or back"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_vllm_copy", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__vllm_copy(void) { return PyModule_Create(&module); }

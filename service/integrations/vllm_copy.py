@@ -1,0 +1,212 @@
+"""K/V copies between vLLM's CPU KV blocks and kvpool's mapped pool, whole pages and blocks at a time.
+
+`KVCopier` does both directions for a worker: with the compiled copy (_vllm_copy.c, built by setup.py)
+one pass over every layer per call, runs of g = gcd(page_size, block_size) tokens, without the GIL
+(a save on the connector's thread leaves vLLM's Python running); else with the torch ops below.
+
+kvpool's pool is page-major, [num_pages + 1, 2, num_layers, page_size, kv_heads, head_dim]: one layer's K
+(or V) of a page is a contiguous [page_size, H, D], token-major. One layer's vLLM CPU block is
+[H, block_size, 2 * head_dim]: K stored transposed ([head_dim, block_size] per head), V as is (vllm_layout).
+
+- Load (pool -> vLLM), per layer: one index_select gathers the pages holding the tokens into a reused
+  buffer (each page a contiguous run), which is then token-major [tokens, H, D]; the attention backend's
+  own cache writer (`do_kv_cache_update`, the kernel vLLM stores every computed token with, transposing
+  K as it goes) puts them at their slots.
+- Save (vLLM -> pool), per layer: the blocks holding the tokens are sliced (consecutive ids) or gathered
+  by one index_select into a reused buffer; then each run of g = gcd(page_size, block_size) tokens goes
+  to its page: one index_put per offset of a run within a block (block_size / g of them), whose strided
+  read undoes K's transpose.
+
+Buffers are kept between calls (a fresh tensor of megabytes pays its page faults at every copy), one
+`Buffers` per thread. Index tensors are built once per request (a plan), not per layer.
+"""
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from service.integrations.vllm_layout import kv_views
+
+
+def _native() -> ModuleType | None:
+    try:
+        return importlib.import_module("service.integrations._vllm_copy")
+    except ImportError:  # not built (a source checkout without `pip install -e .`)
+        return None
+
+
+NATIVE = _native()
+
+# The backend's writer for one layer: (key [T, H, D], value [T, H, D], slots [T]) -> None.
+Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class Buffers:
+    """Reused scratch tensors, by name (one instance per thread)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._bufs[name] = buf
+        return buf[:numel].view(shape)
+
+
+@dataclass
+class LoadPlan:
+    """Tokens [start, end): the pages holding them (ids), and the vLLM slot of each token."""
+
+    pages: torch.Tensor
+    offset: int  # token `start` within the first page
+    count: int
+    slots: torch.Tensor
+
+
+def load_plan(
+    pages: list[int], page_size: int, block_ids: list[int], block_size: int, start: int, end: int
+) -> LoadPlan:
+    """pages / block_ids: the sequence's pages and blocks, from its token 0."""
+    first, last = start // page_size, -(-end // page_size)
+    tokens = torch.arange(start, end)
+    slots = torch.tensor(block_ids, dtype=torch.int64)[tokens // block_size] * block_size + tokens % block_size
+    return LoadPlan(torch.tensor(pages[first:last], dtype=torch.int64), start - first * page_size, end - start, slots)
+
+
+def load_layer(write: Writer, pool_layer: torch.Tensor, plan: LoadPlan, bufs: Buffers) -> None:
+    """Copy the plan's tokens of one layer from the pool (pool.blocks[:, :, layer], [P + 1, 2, page, H, D])."""
+    page_size, heads, head_dim = pool_layer.shape[2:]
+    kv = []
+    for i, name in enumerate(("load_k", "load_v")):
+        buf = bufs.get(name, (len(plan.pages), page_size, heads, head_dim), pool_layer)
+        torch.index_select(pool_layer[:, i], 0, plan.pages, out=buf)
+        kv.append(buf.view(-1, heads, head_dim)[plan.offset : plan.offset + plan.count])
+    write(kv[0], kv[1], plan.slots)
+
+
+@dataclass
+class SaveRun:
+    """The runs at offset j * g of the local blocks [lo, hi): their pages, and the run index in each page."""
+
+    j: int
+    lo: int
+    hi: int
+    pages: torch.Tensor
+    runs: torch.Tensor
+
+
+@dataclass
+class SavePlan:
+    blocks: list[int]  # the blocks holding the tokens, in token order
+    first_block: int | None  # blocks[0] when the ids are consecutive (then sliced, not gathered)
+    g: int
+    runs: list[SaveRun]
+
+
+def save_plan(
+    block_ids: list[int], block_size: int, pages: list[int], page_size: int, start: int, end: int
+) -> SavePlan:
+    """Tokens [start, end) of a sequence (block_ids / pages from its token 0); start and end multiples of
+    g = gcd(block_size, page_size) (true of whole pages, which is all the connector saves)."""
+    g = math.gcd(block_size, page_size)
+    if start % g or end % g:
+        raise ValueError(f"tokens [{start}, {end}) are not runs of {g}")
+    b_first, b_last = start // block_size, -(-end // block_size)
+    blocks = block_ids[b_first:b_last]
+    consecutive = blocks == list(range(blocks[0], blocks[0] + len(blocks))) if blocks else True
+    pages_t = torch.tensor(pages, dtype=torch.int64)
+    runs = []
+    for j in range(block_size // g):
+        offset = b_first * block_size + j * g  # token of run j of local block 0
+        lo = max(0, -(-(start - offset) // block_size))
+        hi = (end - g - offset) // block_size + 1  # local blocks i whose run ends by `end`
+        if hi > lo:
+            tokens = offset + torch.arange(lo, hi) * block_size
+            runs.append(SaveRun(j, lo, hi, pages_t[tokens // page_size], tokens % page_size // g))
+    return SavePlan(blocks, blocks[0] if consecutive and blocks else None, g, runs)
+
+
+def save_layer(cache: torch.Tensor, pool_layer: torch.Tensor, plan: SavePlan, bufs: Buffers) -> None:
+    """Copy the plan's tokens of one layer from vLLM's `cache` [blocks, H, block, 2D] into the pool."""
+    if not plan.blocks:
+        return
+    if plan.first_block is not None:
+        src = cache[plan.first_block : plan.first_block + len(plan.blocks)]
+    else:
+        src = bufs.get("save_blocks", (len(plan.blocks), *cache.shape[1:]), cache)
+        torch.index_select(cache, 0, torch.tensor(plan.blocks, dtype=torch.int64), out=src)
+    block_size, page_size, g = cache.shape[2], pool_layer.shape[2], plan.g
+    dst = pool_layer.unflatten(2, (page_size // g, g))  # [P + 1, 2, runs per page, g, H, D]
+    for i, view in enumerate(kv_views(src)):  # [n, H, block, D]
+        runs = view.unflatten(2, (block_size // g, g))  # [n, H, runs per block, g, D]
+        for run in plan.runs:
+            dst[:, i].index_put_((run.pages, run.runs), runs[run.lo : run.hi, :, run.j].transpose(1, 2))
+
+
+def run_table(block_ids: list[int], block_size: int, pages: list[int], page_size: int, start: int, end: int) -> Any:
+    """int64 [n, 4]: (block, offset, page, offset) of each run of g = gcd(block_size, page_size) tokens in
+    [start, end) of a sequence (block_ids / pages from its token 0), as a numpy array."""
+    g = math.gcd(block_size, page_size)
+    if start % g or end % g:
+        raise ValueError(f"tokens [{start}, {end}) are not runs of {g}")
+    tokens = torch.arange(start, end, g)
+    blocks, page_ids = torch.tensor(block_ids, dtype=torch.int64), torch.tensor(pages, dtype=torch.int64)
+    table = [blocks[tokens // block_size], tokens % block_size, page_ids[tokens // page_size], tokens % page_size]
+    return torch.stack(table, dim=1).contiguous().numpy()
+
+
+def raw(tensor: torch.Tensor) -> Any:
+    """The tensor's memory as a numpy array of same-size integers (numpy has no bfloat16; a copy is bits)."""
+    return tensor.view({4: torch.int32, 2: torch.int16}[tensor.element_size()]).numpy()
+
+
+class KVCopier:
+    """Loads and saves of whole runs for one worker: caches[layer] is vLLM's cache of that layer, writers[layer]
+    its attention backend's cache writer (the torch path's loads store with it)."""
+
+    def __init__(
+        self, caches: dict[int, torch.Tensor], writers: dict[int, Writer], block_size: int, native: bool = True
+    ) -> None:
+        self.caches, self.writers, self.block_size = caches, writers, block_size
+        layers = [caches[i] for i in range(len(caches))]
+        use = (
+            native and NATIVE is not None and all(c.device.type == "cpu" and c.element_size() in (2, 4) for c in layers)
+        )
+        self._raw = [raw(c) for c in layers] if use else None
+        self._load_bufs, self._save_bufs = Buffers(), Buffers()  # one each: loads and saves may run on two threads
+
+    @property
+    def native(self) -> bool:
+        return self._raw is not None
+
+    def load(self, pool: torch.Tensor, pages: list[int], block_ids: list[int], start: int, end: int) -> None:
+        """Tokens [start, end) from the pool (pool.blocks, [P + 1, 2, L, page_size, H, D]) into vLLM's blocks."""
+        if self._raw is not None and NATIVE is not None:
+            g = math.gcd(self.block_size, pool.shape[3])
+            NATIVE.copy(
+                raw(pool), self._raw, run_table(block_ids, self.block_size, pages, pool.shape[3], start, end), g, False
+            )
+            return
+        plan = load_plan(pages, pool.shape[3], block_ids, self.block_size, start, end)
+        for layer, write in self.writers.items():
+            load_layer(write, pool[:, :, layer], plan, self._load_bufs)
+
+    def save(self, pool: torch.Tensor, block_ids: list[int], pages: list[int], start: int, end: int) -> None:
+        """Tokens [start, end) from vLLM's blocks into the pool's pages."""
+        if self._raw is not None and NATIVE is not None:
+            g = math.gcd(self.block_size, pool.shape[3])
+            NATIVE.copy(
+                raw(pool), self._raw, run_table(block_ids, self.block_size, pages, pool.shape[3], start, end), g, True
+            )
+            return
+        plan = save_plan(block_ids, self.block_size, pages, pool.shape[3], start, end)
+        for layer, cache in self.caches.items():
+            save_layer(cache, pool[:, :, layer], plan, self._save_bufs)

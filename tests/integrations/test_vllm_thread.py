@@ -1,0 +1,59 @@
+"""The vLLM connector's worker thread: loads waited for and ahead of queued saves, saves bounded, drained
+and run before the thread stops."""
+
+import threading
+import time
+
+import pytest
+
+from service.integrations.vllm_thread import WorkerThread
+
+
+def test_loads_run_before_queued_saves_and_saves_keep_their_order() -> None:
+    thread = WorkerThread(max_saves=8)
+    order: list[str] = []
+    gate, started = threading.Event(), threading.Event()
+    thread.submit(lambda: (started.set(), gate.wait()))  # occupies the thread
+    started.wait()
+    for i in range(3):
+        thread.submit(lambda i=i: order.append(f"save{i}"))
+    loaded = threading.Thread(target=lambda: thread.run(lambda: order.append("load")))
+    loaded.start()
+    while not thread._loads:  # the load is queued behind the running save, ahead of the queued ones
+        time.sleep(0.001)
+    gate.set()
+    loaded.join()
+    thread.drain()
+    assert order == ["load", "save0", "save1", "save2"]
+    thread.close()
+
+
+def test_run_returns_the_result_and_raises_what_the_job_raised() -> None:
+    thread = WorkerThread(max_saves=1)
+    assert thread.run(lambda: threading.current_thread().name) == "kvpool-connector"
+    with pytest.raises(ZeroDivisionError):
+        thread.run(lambda: 1 // 0)
+    assert thread.run(lambda: 7) == 7  # the thread lives on
+    thread.close()
+
+
+def test_a_full_save_queue_makes_the_caller_wait_and_close_runs_what_is_queued() -> None:
+    thread = WorkerThread(max_saves=2)
+    gate, started = threading.Event(), threading.Event()
+    done: list[int] = []
+    assert thread.submit(lambda: (started.set(), gate.wait())) is False
+    started.wait()  # running, no longer queued
+    assert thread.submit(lambda: done.append(1)) is False
+    assert thread.submit(lambda: done.append(2)) is False
+    waited: list[bool] = []
+    third = threading.Thread(target=lambda: waited.append(thread.submit(lambda: done.append(3))))
+    third.start()
+    third.join(0.2)
+    assert third.is_alive() and not waited  # two queued: the third submit waits for room
+    gate.set()
+    third.join()
+    assert waited == [True]
+    thread.close()  # runs the queued saves first
+    assert done == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="closed"):
+        thread.submit(lambda: None)
