@@ -99,8 +99,12 @@ def test_vllm_command_matches_the_readme() -> None:
     # One model directory for both: kvpool sizes its pool from the model vLLM serves.
     model = argv[2]
     assert flag([str(a) for a in services["kvpool"]["command"]], "--model") == model
-    (kvpool_mount,), (vllm_mount,) = services["kvpool"]["volumes"], vllm["volumes"]
+    (kvpool_mount, kvpool_ipc), (vllm_mount, vllm_ipc) = services["kvpool"]["volumes"], vllm["volumes"]
     assert kvpool_mount == vllm_mount and kvpool_mount.endswith(f":{model}:ro")
+    # The memfd pool's descriptor socket: GET /v1/ipc names its path, so both mount it at the same one.
+    socket_dir = services["kvpool"]["environment"]["KVPOOL_IPC_SOCKET_DIR"]
+    assert kvpool_ipc.split("#")[0].strip() == vllm_ipc == f"kvpool-ipc:{socket_dir}"
+    assert "kvpool-ipc" in compose()["volumes"]
 
 
 def test_vllm_image_is_the_version_ci_tests_plus_kvpool() -> None:
