@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     match.add_argument("--tokens", type=int, default=4096, help="prompt length")
     match.add_argument("--page-size", type=int, default=16)
     match.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    match.add_argument(
+        "--spill", choices=["none", "host", "disk"], default="none", help="also time a prompt held by this tier"
+    )
     match.set_defaults(func=lambda a: benchmark("match").main(a))
 
     args = parser.parse_args(argv)

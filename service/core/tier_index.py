@@ -54,10 +54,14 @@ class TierIndex:
         """{hash: slot} of every entry, oldest use first (for tests and invariants)."""
         return {h: e.slot for h, e in self._entries.items()}
 
-    def reserve(self, page_hash: bytes, key: bytes) -> tuple[int, list[bytes]] | None:
+    def reserve(
+        self, page_hash: bytes, key: bytes, evicted_ready: list[bytes] | None = None
+    ) -> tuple[int, list[bytes]] | None:
         """A slot for the page `page_hash` (pending until ready()), evicting the oldest entries if no
         slot is free; returns (slot, evicted hashes), or None if the page is already here (its entry
-        is then the most recently used) or the tier has no slot at all."""
+        is then the most recently used) or the tier has no slot at all. The hashes of evicted entries
+        that were ready (that lookups could see: KV events told of them) are appended to
+        `evicted_ready` when given."""
         if page_hash in self._entries:
             self._entries.move_to_end(page_hash)
             return None
@@ -68,6 +72,8 @@ class TierIndex:
             old_hash, old = self._entries.popitem(last=False)
             self._free.append(old.slot)
             evicted.append(old_hash)
+            if evicted_ready is not None and not old.pending:
+                evicted_ready.append(old_hash)
             self.num_evictions += 1
         slot = self._free.pop()
         self._entries[page_hash] = TierEntry(slot, key)
@@ -92,10 +98,12 @@ class TierIndex:
         self._free.append(entry.slot)
         return True
 
-    def match(self, parent: bytes, data: bytes, page_nbytes: int, limit: int | None = None) -> list[tuple[bytes, int]]:
+    def match(
+        self, parent: bytes, data: bytes, page_nbytes: int, limit: int | None = None, touch: bool = True
+    ) -> list[tuple[bytes, int]]:
         """The ready entries continuing the chain from `parent` over the full pages of `data` (token
         bytes), up to `limit` pages: [(hash, slot)], stopping at the first page not here. Each found
-        entry becomes the most recently used."""
+        entry becomes the most recently used, unless `touch` is False (a peek: POST /v1/prefix/match)."""
         found: list[tuple[bytes, int]] = []
         num = len(data) // page_nbytes if limit is None else min(limit, len(data) // page_nbytes)
         for i in range(num):
@@ -104,7 +112,8 @@ class TierIndex:
             entry = self._entries.get(page_hash)
             if entry is None or entry.pending or entry.key != key:
                 break
-            self._entries.move_to_end(page_hash)
+            if touch:
+                self._entries.move_to_end(page_hash)
             found.append((page_hash, entry.slot))
             parent = page_hash
         return found

@@ -13,7 +13,13 @@ queue. `EventMaker`, run on the publisher thread, builds the events:
     || tenant [|| "\\0" || cache_salt]): it tells tenants (and cache salts) apart without naming them, as
     vLLM puts cache_salt in its first block's extra keys; every other entry is None;
   - pages evicted, or dropped by a reset -> BlockRemoved of their hashes;
-  - a reset that leaves no page registered -> AllBlocksCleared.
+  - a reset that leaves no page registered -> AllBlocksCleared;
+  - the node's tier below the device (service/tiers), as vLLM's offloading connector publishes its
+    CPU tier: pages whose copy landed in the tier -> BlockStored with the tier's medium (each chain of
+    them one event, with its own parent and token ids, from the tier entry's key), pages the tier
+    dropped (its LRU eviction, or an entry found bad) -> BlockRemoved with that medium. A chain that
+    starts at a root the device's events named (a first page) gets parent None and the tenant tag, as
+    the device's event did; the roots seen are remembered (up to MAX_ROOTS, then forgotten at once).
 
 Hashes are kvpool's page hashes (service.core.hashing): 32 bytes of SHA-256 (hash_format "bytes"), or
 vLLM's integer form of a hash (hash_format "int": its last 8 bytes as a big-endian unsigned int, what
@@ -29,8 +35,9 @@ from service.events.publisher import EventPublisher
 from service.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 HashFormat = Literal["bytes", "int"]
-STORED, REMOVED, CLEARED = 0, 1, 2
+STORED, REMOVED, CLEARED, TIER_STORED, TIER_REMOVED = 0, 1, 2, 3, 4
 TAG_BYTES = 8
+MAX_ROOTS = 1 << 16  # chain roots remembered for the tier's events (a set of 32-byte hashes)
 
 
 def tenant_tag(root: bytes) -> str:
@@ -53,6 +60,13 @@ class EventListener:
     def cleared(self) -> None:
         self.put((CLEARED,))
 
+    # The node's tier (service/tiers/manager.py): hashes and keys as bytes, `medium` the tier's.
+    def tier_stored(self, medium: str, hashes: list[bytes], keys: list[bytes]) -> None:
+        self.put((TIER_STORED, medium, hashes, keys))
+
+    def tier_removed(self, medium: str, hashes: list[bytes]) -> None:
+        self.put((TIER_REMOVED, medium, hashes))
+
 
 class EventMaker:
     """Queued items -> events, on the publisher thread."""
@@ -61,6 +75,7 @@ class EventMaker:
         self.page_size = page_size
         self.medium = medium
         self.hash_format = hash_format
+        self._roots: set[bytes] = set()  # chain roots the device's events named (publisher thread only)
 
     def hashes(self, hashes: np.ndarray) -> list[Any]:
         rows = _rows(hashes)
@@ -69,28 +84,63 @@ class EventMaker:
     def one_hash(self, h: bytes) -> Any:
         return int.from_bytes(h[-8:], "big") if self.hash_format == "int" else h
 
-    def __call__(self, item: tuple[Any, ...]) -> KVCacheEvent:
+    def __call__(self, item: tuple[Any, ...]) -> KVCacheEvent | list[KVCacheEvent]:
         kind = item[0]
         if kind == STORED:
             _, hashes, parent, token_bytes, at_root = item
-            n = len(hashes)
-            extra: list[tuple[Any, ...] | None] = [None] * n
             if at_root:
-                extra[0] = (tenant_tag(parent),)
-            return BlockStored(
-                block_hashes=self.hashes(hashes),
-                parent_block_hash=None if at_root else self.one_hash(parent),
-                token_ids=np.frombuffer(token_bytes, dtype="<i8").tolist(),
-                block_size=self.page_size,
-                lora_id=None,
-                medium=self.medium,
-                lora_name=None,
-                extra_keys=extra,
-                group_idx=0,
-            )
+                if len(self._roots) >= MAX_ROOTS:
+                    self._roots.clear()
+                self._roots.add(parent)
+            return self.stored(self.hashes(hashes), parent, token_bytes, at_root, self.medium)
         if kind == REMOVED:
             return BlockRemoved(block_hashes=self.hashes(item[1]), medium=self.medium, group_idx=0)
+        if kind == TIER_STORED:
+            _, medium, hashes, keys = item
+            out: list[KVCacheEvent] = []
+            for run in chains(hashes, keys):
+                parent, tokens = keys[run[0]][:32], b"".join(keys[i][32:] for i in run)
+                run_hashes = [self.one_hash(hashes[i]) for i in run]
+                out.append(self.stored(run_hashes, parent, tokens, parent in self._roots, medium))
+            return out
+        if kind == TIER_REMOVED:
+            return BlockRemoved(block_hashes=[self.one_hash(h) for h in item[2]], medium=item[1], group_idx=0)
         return AllBlocksCleared()
+
+    def stored(self, hashes: list[Any], parent: bytes, token_bytes: bytes, at_root: bool, medium: str) -> BlockStored:
+        extra: list[tuple[Any, ...] | None] = [None] * len(hashes)
+        if at_root:
+            extra[0] = (tenant_tag(parent),)
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None if at_root else self.one_hash(parent),
+            token_ids=np.frombuffer(token_bytes, dtype="<i8").tolist(),
+            block_size=self.page_size,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            extra_keys=extra,
+            group_idx=0,
+        )
+
+
+def chains(hashes: list[bytes], keys: list[bytes]) -> list[list[int]]:
+    """The pages (hashes, keys: parent hash || token bytes) as chains, each in order from its first
+    page: a page follows its parent when both are here (a spill comes tail first, the LRU's order)."""
+    child = {k[:32]: i for i, k in enumerate(keys)}
+    present, seen, out = set(hashes), set[int](), list[list[int]]()
+    for i, key in enumerate(keys):
+        if key[:32] in present:
+            continue
+        run: list[int] = []
+        j: int | None = i
+        while j is not None and j not in seen:
+            seen.add(j)
+            run.append(j)
+            j = child.get(hashes[j])
+        out.append(run)
+    out += [[i] for i in range(len(hashes)) if i not in seen]  # (a branch: two children of one parent)
+    return out
 
 
 def _rows(array: np.ndarray) -> list[bytes]:

@@ -46,7 +46,7 @@ def is_bind_endpoint(endpoint: str) -> bool:
 class EventPublisher:
     def __init__(
         self,
-        make_event: Callable[[Any], KVCacheEvent],
+        make_event: Callable[[Any], KVCacheEvent | list[KVCacheEvent]],
         endpoint: str,
         replay_endpoint: str = "",
         topic: str = "",
@@ -141,13 +141,17 @@ class EventPublisher:
         if dropped != self._dropped_seen:  # events were lost since the last batch: leave a gap
             self._dropped_seen = dropped
             self._next_seq += 1
-        batch = EventBatch(ts=time.time(), events=[self._make_event(i) for i in items], data_parallel_rank=0)
+        events: list[KVCacheEvent] = []
+        for item in items:
+            made = self._make_event(item)
+            events.extend(made) if isinstance(made, list) else events.append(made)
+        batch = EventBatch(ts=time.time(), events=events, data_parallel_rank=0)
         payload = encoder.encode(batch)
         seq = self._next_seq
         self._next_seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
-        self.published += len(items)
+        self.published += len(events)
         self.batches += 1
 
     def _serve_replay(self) -> None:

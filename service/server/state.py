@@ -44,6 +44,10 @@ class PoolState:
                 self.engine.close()
                 self.storage.close()
                 raise
+            if self.events is not None:  # the node's tier publishes what it stores and drops
+                from service.events.listener import EventListener
+
+                self.tiers.events = EventListener(self.events.put)
         self.ready = True
 
     def open_ipc_socket(self, authorize: Callable[[str | None], None]) -> None:

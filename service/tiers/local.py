@@ -45,6 +45,9 @@ class HostTier:
 
     def __init__(self, codec: PageCodec, nbytes: int, pinned: bool) -> None:
         self.codec = codec
+        # The KV events' medium: vLLM's "CPU" below a GPU; below a CPU pool (whose own events say "CPU")
+        # a name of its own, so that a consumer never takes the tier's pages for the device's.
+        self.medium = "CPU" if codec.device.type == "cuda" else "CPU_TIER"
         self.page_nbytes = codec.page_nbytes
         self.index = TierIndex(nbytes // self.page_nbytes)
         self.capacity_bytes = self.index.num_slots * self.page_nbytes
@@ -82,6 +85,7 @@ class DiskTier:
     pass over the data: on a CPU pool it would cost as much as the read itself)."""
 
     name = "disk"
+    medium = "STORAGE"  # the KV events' medium: vLLM's for its file-system offloading tier
 
     def __init__(self, codec: PageCodec, nbytes: int, directory: str, instance_id: str) -> None:
         self.codec = codec

@@ -56,6 +56,10 @@ class Tiers:
             store = RemoteStore(s, self.codec.page_nbytes)
             self.remote = SharedTier(store, self.engine, self.allocator, self.codec, s.remote_queue_pages)
         self._quiet = False  # committing restored pages: the store has them already
+        # KV events (service/events/listener.EventListener, set by PoolState when they are on): the
+        # node's tier tells what lands in it and what it drops. The remote tier tells nothing: it is
+        # shared by the nodes, so no node's stream can say what it holds.
+        self.events: Any = None
         self.allocator.listeners.append(self)
 
     def report(self) -> list[dict[str, Any]]:
@@ -99,10 +103,13 @@ class Tiers:
                 tier.stats.skipped += len(pages)
             return
         todo: list[tuple[int, int, bytes]] = []
+        dropped: list[bytes] | None = [] if self.events is not None else None
         for page, page_hash, key in zip(pages.tolist(), hashes, keys):
-            reserved = tier.index.reserve(page_hash.tobytes(), key.tobytes())
+            reserved = tier.index.reserve(page_hash.tobytes(), key.tobytes(), dropped)
             if reserved is not None:
                 todo.append((page, reserved[0], page_hash.tobytes()))
+        if dropped:
+            self.events.tier_removed(tier.medium, dropped)
         if todo:
             self._spill(tier, todo)
 
@@ -133,8 +140,12 @@ class Tiers:
     def _spilled(
         self, tier: HostTier | DiskTier, slots: list[int], hashes: list[bytes], error: BaseException | None
     ) -> None:
+        landed: list[bytes] = []
         for page_hash, slot in zip(hashes, slots):
-            (tier.index.discard if error else tier.index.ready)(page_hash, slot)
+            if (tier.index.discard if error else tier.index.ready)(page_hash, slot) and not error:
+                landed.append(page_hash)
+        if landed and self.events is not None:  # (entries evicted while pending were never told of)
+            self.events.tier_stored(tier.medium, landed, [tier.index.entry(h).key for h in landed])  # type: ignore[union-attr]
         if error is not None:
             tier.incident.failed(tier.stats, error)
             return
@@ -154,6 +165,25 @@ class Tiers:
                 self.codec.write_run(page, 1, torch.from_numpy(data).view(1, -1))
 
     # -- restore --------------------------------------------------------------------------------
+    def num_restorable(self, token_ids: list[int], hits: list[int], last: bytes) -> int:
+        """How many pages after the device's `hits` (the last one hashed `last`) a restore would bring
+        back from the node's tier now (POST /v1/prefix/match): its ready entries continuing the chain,
+        up to the prompt's last full page before its last token and to what an allocation can get.
+        A peek: nothing moves in the device or the tier. The remote tier is not asked (a round trip
+        to the store per call, where the route costs microseconds)."""
+        if self.local is None or not self.allocator.enable_prefix_caching:
+            return 0
+        max_hits = (len(token_ids) - 1) // self.page_size
+        if len(hits) >= max_hits:
+            return 0
+        rest = checked_token_bytes(token_ids[len(hits) * self.page_size : max_hits * self.page_size])
+        found = len(self.local.index.match(last, rest, self.token_nbytes, touch=False))
+        if not found:
+            return 0
+        # restore() holds the device hits first: the cached ones among them are not there to allocate.
+        held = int(np.count_nonzero(self.allocator.ref_count[hits] == 0)) if hits else 0
+        return max(0, min(found, self.allocator.num_available - held))
+
     async def restore(self, token_ids: list[int], tenant: str, cache_salt: str) -> None:
         """Bring back the pages of the prompt that the device lacks and the tiers hold (see the module
         docstring); never raises for a tier's failure (the hit is then shorter).
@@ -192,7 +222,7 @@ class Tiers:
                 if num:  # all copies in: commit what came back, chained after the device hits
                     self._quiet = True
                     try:
-                        self.allocator.commit(fresh[:num], last, rest[: num * size], size)
+                        self.allocator.commit(fresh[:num], last, rest[: num * size], size, not hits)
                     finally:
                         self._quiet = False
             finally:  # cached if committed, free if not
@@ -230,8 +260,9 @@ class Tiers:
                 self.remote.stats.bytes_in += (num - num_local) * self.codec.page_nbytes
         except Exception as exc:
             if isinstance(exc, TierDataError) and tier is not None:
-                for page_hash, slot in local[:num_local]:  # never read again
-                    tier.index.discard(page_hash, slot)
+                gone = [h for h, slot in local[:num_local] if tier.index.discard(h, slot)]  # never read again
+                if gone and self.events is not None:
+                    self.events.tier_removed(tier.medium, gone)
             failed = tier if num_local and tier is not None else self.remote
             if failed is not None:
                 failed.incident.failed(failed.stats, exc)

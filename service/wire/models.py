@@ -233,6 +233,10 @@ class PrefixMatch(Strict):
 class PrefixMatchOut(Answer):
     cached_tokens: int = Field(description="leading tokens a create with these ids would find cached now")
     num_pages: int = Field(description="cached pages they fill")
+    device_pages: int = Field(0, description="of them, pages in the device's prefix cache")
+    tier_pages: int = Field(
+        0, description="of them, pages the node's tier (KVPOOL_SPILL) holds after those (a create copies them back)"
+    )
 
 
 class CacheResetOut(Answer):

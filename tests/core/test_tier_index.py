@@ -84,3 +84,24 @@ def test_random_operations_keep_every_slot_in_one_place(operations: list[tuple[s
         t.check()
         assert len(t) == len(model) <= num_slots and set(t.slots()) == set(model)
         assert t.num_free + len(t) == num_slots
+
+
+def test_a_peek_moves_nothing_and_evictions_name_the_entries_that_were_ready() -> None:
+    t = TierIndex(2)
+    h0, k0 = page(ROOT, [1, 2])
+    h1, k1 = page(h0, [3, 4])
+    h2, k2 = page(ROOT, [9, 9])
+    t.reserve(h0, k0)
+    t.reserve(h1, k1)
+    t.ready(h0, 1)
+    t.ready(h1, 0)
+    data = token_bytes([1, 2, 3, 4])
+    assert t.match(ROOT, data, NB, touch=False) == [(h0, 1), (h1, 0)]
+    assert list(t.slots()) == [h0, h1]  # h0 still the least recently used
+    ready: list[bytes] = []
+    assert t.reserve(h2, k2, ready) == (1, [h0]) and ready == [h0]
+    h3, k3 = page(ROOT, [8, 8])
+    ready.clear()
+    assert t.reserve(h3, k3, ready) == (0, [h1]) and ready == [h1]
+    assert t.reserve(h0, k0, ready) == (1, [h2]) and ready == [h1]  # h2 was pending: never seen
+    t.check()

@@ -48,9 +48,15 @@ def test_match_agrees_with_create_and_changes_nothing(server: Server) -> None:
         created = c.post("/v1/sequences", json={"token_ids": prompt, "cache_salt": salt or None})
         assert created.status_code == 201
         body = created.json()
-        assert got == {"cached_tokens": body["cached_tokens"], "num_pages": body["cached_tokens"] // PAGE}, prompt
+        pages = body["cached_tokens"] // PAGE
+        assert got == {
+            "cached_tokens": body["cached_tokens"],
+            "num_pages": pages,
+            "device_pages": pages,
+            "tier_pages": 0,
+        }
         c.delete(f"/v1/sequences/{body['seq_id']}")
-    assert match(server, a) == {"cached_tokens": 12, "num_pages": 3}
+    assert match(server, a) == {"cached_tokens": 12, "num_pages": 3, "device_pages": 3, "tier_pages": 0}
     r = c.post("/v1/prefix/match", json={"token_ids": [-1]})
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
     assert c.post("/v1/prefix/match", json={"token_ids": [1], "seq_id": "x"}).status_code == 422  # unknown field
@@ -74,7 +80,7 @@ def test_match_leaves_the_eviction_order_alone(start_server: Any) -> None:
         for p in prompts:
             put_prompt(server, p)
         if ask:
-            assert match(server, prompts[0]) == {"cached_tokens": 8, "num_pages": 2}
+            assert match(server, prompts[0]) == {"cached_tokens": 8, "num_pages": 2, "device_pages": 2, "tier_pages": 0}
         c = server.client
         seq = c.post("/v1/sequences", json={}).json()["seq_id"]
         tables.append(c.post(f"/v1/sequences/{seq}/append", json={"num_tokens": 4 * 10}).json()["block_table"])
@@ -108,7 +114,7 @@ def test_match_per_tenant_and_reset_for_admins_only(keyed_events: tuple[Server, 
     assert (
         match(server, prompt, bearer(ALPHA))
         == match(server, prompt, bearer(BETA))
-        == {"cached_tokens": 8, "num_pages": 2}
+        == {"cached_tokens": 8, "num_pages": 2, "device_pages": 2, "tier_pages": 0}
     )
     assert match(server, [*prompt, 1], bearer(ALPHA), cache_salt="s")["cached_tokens"] == 0
     assert c.post("/v1/prefix/match", json={"token_ids": prompt}).status_code == 401

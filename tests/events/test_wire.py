@@ -6,9 +6,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from service.core.hashing import root_hash
+from service.core.hashing import page_hash, root_hash, token_bytes
 from service.events import wire
-from service.events.listener import CLEARED, REMOVED, STORED, EventMaker, tenant_tag
+from service.events.listener import CLEARED, REMOVED, STORED, TIER_STORED, EventMaker, chains, tenant_tag
 
 H = [bytes([i]) * 32 for i in range(1, 4)]
 
@@ -105,3 +105,29 @@ def test_event_maker_builds_vllm_shapes() -> None:
     assert event.parent_block_hash == int.from_bytes(H[0], "big") & (2**64 - 1)
     assert tenant_tag(root_hash("tenant-b")) != tenant_tag(root) != tenant_tag(root_hash("tenant-a", "salt"))
     assert time.time() > 0
+
+
+def test_tier_pages_make_one_event_per_chain_from_its_first_page() -> None:
+    root = root_hash("")
+    keys, hashes, parent = [], [], root
+    for tokens in ([1, 2], [3, 4], [5, 6]):
+        keys.append(parent + token_bytes(tokens))
+        parent = page_hash(parent, token_bytes(tokens))
+        hashes.append(parent)
+    other = root_hash("x")
+    keys.append(other + token_bytes([7, 7]))
+    hashes.append(page_hash(other, token_bytes([7, 7])))
+    # A spill comes tail first: [2, 1, 0], then a page of another chain; a page whose parent is not
+    # among them starts a chain of its own.
+    order = [3, 2, 1, 0]
+    assert chains([hashes[i] for i in order], [keys[i] for i in order]) == [[0], [3, 2, 1]]
+    assert chains(hashes[:1] + hashes[2:3], keys[:1] + keys[2:3]) == [[0], [1]]
+    maker = EventMaker(2, "CPU")
+    maker((STORED, np.frombuffer(hashes[0], dtype=np.uint8).reshape(1, 32), root, keys[0][32:], True))
+    events = maker((TIER_STORED, "STORAGE", hashes[2::-1], keys[2::-1]))
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids, e.medium) for e in events] == [
+        (hashes[:3], None, [1, 2, 3, 4, 5, 6], "STORAGE")  # the root is known: a chain start, tagged
+    ]
+    assert events[0].extra_keys == [(root[:8].hex(),), None, None]
+    (event,) = maker((TIER_STORED, "STORAGE", hashes[1:2], keys[1:2]))
+    assert (event.parent_block_hash, event.extra_keys) == (hashes[0], [None])

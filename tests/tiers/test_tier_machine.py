@@ -1,6 +1,8 @@
 """Random workloads on a tiny pool with a real spill tier (in process, the real engine and copies):
 every page is in exactly one place per tier, the counts add up, every page the device or the tier
-holds carries the K/V of its own prefix, and a restore whose read fails restores nothing.
+holds carries the K/V of its own prefix, and a restore whose read fails restores nothing. The KV
+events (device and tier) build an index equal to what the device and the tier hold, and what
+POST /v1/prefix/match counts (Tiers.num_restorable after the device's hits) is what the create gets.
 
 A page's K/V is a function of its chained hash (its whole prefix), as a model's would be, so a page
 restored from the wrong slot, or spilled after being overwritten, shows up as wrong data.
@@ -20,6 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from service.config import Settings
 from service.core.hashing import root_hash, token_bytes
 from service.core.tier_index import chain_hashes
+from service.events.listener import EventListener, EventMaker
+from service.events.wire import BlockRemoved, BlockStored
 from service.server.state import PoolState
 from service.tiers.local import DiskTier, HostTier
 
@@ -59,6 +63,12 @@ class TierMachine(RuleBasedStateMachine):
         self.local: HostTier | DiskTier = self.state.tiers.local
         self.held: list[str] = []
         self.count = 0
+        # KV events as PoolState wires them: the device's listener first, then the tier's.
+        self.events: list[Any] = []
+        self.state.allocator.listeners.insert(0, EventListener(self.events.append))
+        self.state.tiers.events = EventListener(self.events.append)
+        self.make = EventMaker(PAGE, "CPU")
+        self.seen: dict[str, set[Any]] = {"CPU": set(), self.local.medium: set()}
 
     @staticmethod
     async def _make(s: Settings) -> PoolState:
@@ -87,6 +97,9 @@ class TierMachine(RuleBasedStateMachine):
             else:
                 local.read = lambda *args: local.io.submit(failing)  # type: ignore[method-assign]
         used_before = st_.allocator.num_used
+        hits, last, _ = st_.sequences.prefixes.match(tokens, "")
+        expected = len(hits) + tiers.num_restorable(tokens, hits, last)  # what POST /v1/prefix/match says
+        evictions = local.index.num_evictions
         await tiers.restore(tokens, "", "")
         if fail:
             vars(local).pop("read_job", None)
@@ -97,6 +110,10 @@ class TierMachine(RuleBasedStateMachine):
         seq = st_.sequences.create(seq_id, tokens)
         if fail:
             assert seq.cached_tokens <= device_hits * PAGE
+        elif local.index.num_evictions == evictions:
+            assert seq.cached_tokens == expected * PAGE
+        else:  # the restore's own allocation spilled pages that pushed matched entries out of the tier
+            assert seq.cached_tokens <= expected * PAGE
         cached = seq.cached_tokens
         todo = len(tokens) - cached
         if todo:
@@ -139,6 +156,23 @@ class TierMachine(RuleBasedStateMachine):
         )
         self.local.index.check()
         assert len(self.local.index) + self.local.index.num_free == SLOTS
+
+    @invariant()
+    def events_tell_what_the_device_and_the_tier_hold(self) -> None:
+        for item in self.events:
+            made = self.make(item)
+            for e in made if isinstance(made, list) else [made]:
+                if isinstance(e, BlockStored):
+                    self.seen[e.medium] |= set(e.block_hashes)
+                else:
+                    assert isinstance(e, BlockRemoved)
+                    assert set(e.block_hashes) <= self.seen[e.medium]  # only what it told of
+                    self.seen[e.medium] -= set(e.block_hashes)
+        self.events.clear()
+        a, index = self.state.allocator, self.local.index
+        assert self.seen["CPU"] == {a.page_hash(p) for p in range(PAGES)} - {None}
+        ready = {h for h in index.slots() if not index.entry(h).pending}  # type: ignore[union-attr]
+        assert self.seen[self.local.medium] == ready
 
     @invariant()
     def every_page_holds_its_prefix(self) -> None:

@@ -17,11 +17,21 @@ MATCH_ERRORS = error_responses(401, 413, 422)
 
 @routes.post("/v1/prefix/match", body=PrefixMatch, response_model=PrefixMatchOut, responses=MATCH_ERRORS)
 async def match_prefix(request: Request, pool: StateDep, tenant: TenantDep) -> Response:
-    """How many leading tokens of a prompt the caller's tenant would get from the prefix cache now;
-    allocates nothing, pins nothing, moves nothing in the eviction order."""
+    """How many leading tokens of a prompt the caller's tenant would get from the prefix cache now,
+    the node's tier (host/disk) included; allocates nothing, pins nothing, moves nothing in the
+    eviction order of the device or the tier."""
     body = await read_json(request, PrefixMatch)
-    num_pages = pool.sequences.prefixes.num_cached(body.token_ids, tenant, body.cache_salt or "")
-    return json_response({"cached_tokens": num_pages * pool.settings.page_size, "num_pages": num_pages})
+    hits, last, _ = pool.sequences.prefixes.match(body.token_ids, tenant, body.cache_salt or "")
+    tier = pool.tiers.num_restorable(body.token_ids, hits, last) if pool.tiers is not None else 0
+    num_pages = len(hits) + tier
+    return json_response(
+        {
+            "cached_tokens": num_pages * pool.settings.page_size,
+            "num_pages": num_pages,
+            "device_pages": len(hits),
+            "tier_pages": tier,
+        }
+    )
 
 
 @routes.post("/v1/prefix_cache/reset", response_model=CacheResetOut, responses=error_responses(401, 403))
