@@ -12,9 +12,11 @@ Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S, refreshed when a page is wri
        hard bound. A TTL rather than only LRU, because a hash names a prefix forever: a stale entry
        is never wrong, only useless, and the TTL lets unused geometries and tenants age out.
 
-The client is redis-py's synchronous one, called from two threads (reads: a lookup waits on it;
-writes: a background batch), each command bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a
-failure is counted, the tier skipped for a second, and the next call reconnects.
+Writes go through redis-py's synchronous client (a background batch, pipelined SETs); reads (a
+lookup waits on them) through MgetReader (service.tiers.resp), which receives each value straight into
+its row of one array, on redis:// and unix:// URLs; rediss:// reads through redis-py too. Each command
+is bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a failure is counted, the tier skipped for a second,
+and the next call reconnects.
 """
 
 import hashlib
@@ -27,6 +29,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from service.config import Settings
+from service.tiers.resp import MgetReader
 from service.tiers.stats import TierStats
 
 MAGIC = b"kvpool-remote-v1"
@@ -58,13 +61,17 @@ def encode_value(prefix: bytes, data: bytes) -> bytes:
     return body + CRC.pack(zlib.crc32(body))
 
 
-def decode_value(value: bytes | None, prefix: bytes, page_nbytes: int) -> np.ndarray | None:
-    """The page bytes of `value` if it is the entry `prefix` describes, intact; else None."""
-    if value is None or len(value) != len(prefix) + page_nbytes + CRC.size or not value.startswith(prefix):
+def decode_value(value: bytes | np.ndarray | None, prefix: bytes, page_nbytes: int) -> np.ndarray | None:
+    """The page bytes of `value` (bytes, or a contiguous uint8 row) if it is the entry `prefix`
+    describes, intact; else None."""
+    if value is None or len(value) != len(prefix) + page_nbytes + CRC.size:
         return None
-    if CRC.unpack_from(value, len(value) - CRC.size)[0] != zlib.crc32(memoryview(value)[: -CRC.size]):
+    view = value.data.cast("B") if isinstance(value, np.ndarray) else memoryview(value)
+    if view[: len(prefix)] != prefix:
         return None
-    return np.frombuffer(value, dtype=np.uint8, count=page_nbytes, offset=len(prefix))
+    if CRC.unpack_from(view, len(view) - CRC.size)[0] != zlib.crc32(view[: -CRC.size]):
+        return None
+    return np.frombuffer(view, dtype=np.uint8, count=page_nbytes, offset=len(prefix))
 
 
 class RemoteStore:
@@ -82,6 +89,7 @@ class RemoteStore:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
+        self.reader = MgetReader(settings.remote_url, timeout) if MgetReader.supports(settings.remote_url) else None
         self.stats = TierStats()
 
     def get(self, parent: bytes, data: bytes, page_nbytes: int, skip: int, limit: int) -> list[np.ndarray]:
@@ -110,7 +118,15 @@ class RemoteStore:
 
     def _get_batch(self, hashes: list[bytes], token_bytes: list[bytes]) -> list[np.ndarray]:
         """The leading run of `hashes` found intact, one MGET."""
-        values: list[bytes | None] = self.client.mget([page_key(self.geometry, h) for h in hashes])  # type: ignore[assignment]
+        keys = [page_key(self.geometry, h) for h in hashes]
+        values: list[bytes | np.ndarray | None]
+        if self.reader is not None:
+            value_nbytes = len(value_prefix(self.geometry, hashes[0], token_bytes[0])) + self.page_nbytes + CRC.size
+            rows, sizes = self.reader.mget([k.encode() for k in keys], value_nbytes)
+            # (a value of the wrong size: not kept; b"" stands for it, which decode_value rejects)
+            values = [rows[i] if n == value_nbytes else (None if n < 0 else b"") for i, n in enumerate(sizes)]
+        else:
+            values = self.client.mget(keys)  # type: ignore[assignment]
         found: list[np.ndarray] = []
         for value, page_hash, tokens in zip(values, hashes, token_bytes):
             data = decode_value(value, value_prefix(self.geometry, page_hash, tokens), self.page_nbytes)
@@ -133,4 +149,6 @@ class RemoteStore:
         return sent
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         self.client.close()
