@@ -143,8 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     tiers.add_argument("--prefixes", type=int, default=8, help="prefixes in the working set")
     tiers.add_argument("--device-prefixes", type=int, default=2, help="prefixes the device pool holds")
     tiers.add_argument("--repeat", type=int, default=9, help="restores timed per tier")
-    tiers.add_argument("--requests", type=int, default=48, help="requests of the hit-rate workload")
+    tiers.add_argument("--requests", type=int, default=48, help="requests of the hit-rate workload (0: skip it)")
     tiers.add_argument("--quick", action="store_true", help="a smoke run: 2 layers, 512-token prefixes")
+    tiers.add_argument(
+        "--tiers",
+        default="host,disk,remote",
+        help="which to time, comma-separated: host, disk, remote, remote-redispy (its reads through redis-py)",
+    )
     tiers.set_defaults(func=lambda a: benchmark("tiers").main(a))
 
     match = bench_sub.add_parser("match", help="POST /v1/prefix/match: p50 in process and over HTTP")
