@@ -207,7 +207,17 @@ class Tiers:
             self.local.stats.misses += 1
         remote = self.remote
         limit = max_hits - len(hits)
-        remote_data = await remote.lookup(last, rest, size, len(local), limit) if remote is not None else []
+        remote_data, buffers = await remote.lookup(last, rest, size, len(local), limit) if remote else ([], [])
+        try:
+            await self._restore_found(hits, last, rest, local, remote_data)
+        finally:  # the remote pages are copied in (or dropped): their receive buffers can be reused
+            if remote is not None:
+                remote.release(buffers)
+
+    async def _restore_found(
+        self, hits: list[int], last: bytes, rest: bytes, local: list[tuple[bytes, int]], remote_data: list[np.ndarray]
+    ) -> None:
+        size = self.token_nbytes
         if not local and not remote_data:
             return
         if hits:

@@ -21,7 +21,9 @@ and the next call reconnects.
 
 import hashlib
 import struct
+import threading
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 import redis
@@ -33,7 +35,9 @@ from service.tiers.resp import MgetReader
 from service.tiers.stats import TierStats
 
 MAGIC = b"kvpool-remote-v1"
+Page = np.ndarray
 READ_BATCH = 32  # keys per MGET: a lookup stops at the first batch that comes back short
+FREE_BUFFER_BYTES = 64 << 20  # receive buffers kept for reuse (a 4,096-token prefix of an 8-layer model)
 CRC = struct.Struct("<I")
 
 
@@ -90,43 +94,76 @@ class RemoteStore:
             health_check_interval=0,
         )
         self.reader = MgetReader(settings.remote_url, timeout) if MgetReader.supports(settings.remote_url) else None
+        self._free: list[np.ndarray] = []  # receive buffers for reuse (release())
+        self._lock = threading.Lock()
         self.stats = TierStats()
 
-    def get(self, parent: bytes, data: bytes, page_nbytes: int, skip: int, limit: int) -> list[np.ndarray]:
+    def get(
+        self, parent: bytes, data: bytes, page_nbytes: int, skip: int, limit: int
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The pages of `data` (token bytes chained after the page hashed `parent`) from page `skip` on,
-        up to `limit` pages, as long as the store holds them intact: MGETs of READ_BATCH keys, one round
-        trip each, hashing only as far as it reads (on the caller's thread, not the loop); raises redis
-        errors."""
-        num = min(limit, len(data) // page_nbytes)
-        found: list[np.ndarray] = []
+        up to `limit` pages, as long as the store holds them intact, and the buffers they lie in (for
+        release() once copied). MGETs of READ_BATCH keys, the next one sent before the reply to the
+        current one is read (two in flight), stopping at the first batch that comes back short; on the
+        caller's thread, not the loop. Raises the client's errors (OSError, redis or RESP errors)."""
         hashes: list[bytes] = []
         tokens: list[bytes] = []
-        for i in range(num):
+        for i in range(min(limit, len(data) // page_nbytes)):
             page = data[i * page_nbytes : (i + 1) * page_nbytes]
             parent = hashlib.sha256(parent + page).digest()
-            if i < skip:
-                continue
-            hashes.append(parent)
-            tokens.append(page)
-            if len(hashes) == READ_BATCH or i == num - 1:
-                got = self._get_batch(hashes, tokens)
+            if i >= skip:
+                hashes.append(parent)
+                tokens.append(page)
+        batches = [(hashes[s : s + READ_BATCH], tokens[s : s + READ_BATCH]) for s in range(0, len(hashes), READ_BATCH)]
+        found: list[np.ndarray] = []
+        if self.reader is None or not batches:
+            for batch_hashes, batch_tokens in batches:
+                values: list[bytes | None] = self.client.mget(self._keys(batch_hashes))  # type: ignore[assignment]
+                got = self._check(values, batch_hashes, batch_tokens)
                 found += got
-                if len(got) < len(hashes):
+                if len(got) < len(batch_hashes):
                     break
-                hashes, tokens = [], []
-        return found
+            return found, []
+        return self._get_pipelined(batches)
 
-    def _get_batch(self, hashes: list[bytes], token_bytes: list[bytes]) -> list[np.ndarray]:
-        """The leading run of `hashes` found intact, one MGET."""
-        keys = [page_key(self.geometry, h) for h in hashes]
-        values: list[bytes | np.ndarray | None]
-        if self.reader is not None:
-            value_nbytes = len(value_prefix(self.geometry, hashes[0], token_bytes[0])) + self.page_nbytes + CRC.size
-            rows, sizes = self.reader.mget([k.encode() for k in keys], value_nbytes)
-            # (a value of the wrong size: not kept; b"" stands for it, which decode_value rejects)
-            values = [rows[i] if n == value_nbytes else (None if n < 0 else b"") for i, n in enumerate(sizes)]
-        else:
-            values = self.client.mget(keys)  # type: ignore[assignment]
+    def _get_pipelined(self, batches: list[tuple[list[bytes], list[bytes]]]) -> tuple[list[Page], list[Page]]:
+        reader = self.reader
+        assert reader is not None
+        first = value_prefix(self.geometry, batches[0][0][0], batches[0][1][0])
+        value_nbytes = len(first) + self.page_nbytes + CRC.size
+        found: list[np.ndarray] = []
+        buffers: list[np.ndarray] = []
+        sent = 0
+        try:
+            for k, (batch_hashes, batch_tokens) in enumerate(batches):
+                while sent < min(k + 2, len(batches)):
+                    reader.send_mget([key.encode() for key in self._keys(batches[sent][0])])
+                    sent += 1
+                rows = self._buffer(value_nbytes)
+                buffers.append(rows)
+                sizes = reader.read_mget(len(batch_hashes), rows)
+                # (a value of the wrong size was not kept: b"" stands for it, which decode_value rejects)
+                values = [rows[i] if n == value_nbytes else (None if n < 0 else b"") for i, n in enumerate(sizes)]
+                got = self._check(values, batch_hashes, batch_tokens)
+                found += got
+                if len(got) < len(batch_hashes):
+                    break
+            for pending in batches[k + 1 : sent]:  # the reply sent ahead and not needed: read it off
+                rows = self._buffer(value_nbytes)
+                buffers.append(rows)
+                reader.read_mget(len(pending[0]), rows)
+        except BaseException:
+            self.release(buffers)
+            raise
+        return found, buffers
+
+    def _keys(self, hashes: list[bytes]) -> list[str]:
+        return [page_key(self.geometry, h) for h in hashes]
+
+    def _check(
+        self, values: Sequence[bytes | np.ndarray | None], hashes: list[bytes], token_bytes: list[bytes]
+    ) -> list[np.ndarray]:
+        """The leading run of `values` that are the entries of `hashes` intact (counting a wrong one)."""
         found: list[np.ndarray] = []
         for value, page_hash, tokens in zip(values, hashes, token_bytes):
             data = decode_value(value, value_prefix(self.geometry, page_hash, tokens), self.page_nbytes)
@@ -136,6 +173,23 @@ class RemoteStore:
                 break
             found.append(data)
         return found
+
+    def _buffer(self, value_nbytes: int) -> np.ndarray:
+        """A receive buffer of READ_BATCH values: a released one if any (its pages already faulted in)."""
+        with self._lock:
+            while self._free:
+                rows = self._free.pop()
+                if rows.shape[1] == value_nbytes:
+                    return rows
+        return np.empty((READ_BATCH, value_nbytes), dtype=np.uint8)
+
+    def release(self, buffers: list[np.ndarray]) -> None:
+        """Buffers from get() whose pages are no longer needed (copied in, or dropped); kept for reuse up
+        to FREE_BUFFER_BYTES."""
+        with self._lock:
+            for rows in buffers:
+                if (len(self._free) + 1) * rows.nbytes <= FREE_BUFFER_BYTES:
+                    self._free.append(rows)
 
     def put(self, hashes: list[bytes], token_bytes: list[bytes], data: np.ndarray) -> int:
         """SET each page with the TTL, pipelined (one round trip); returns bytes sent."""

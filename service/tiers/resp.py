@@ -122,19 +122,27 @@ class MgetReader:
             self._read_into(scratch[:step])
             count -= step
 
-    def mget(self, keys: Sequence[bytes], value_nbytes: int) -> tuple[np.ndarray, list[int]]:
-        """MGET keys: (rows, sizes); rows[i] holds value i when sizes[i] == value_nbytes; sizes[i] is
-        -1 for a missing key, and another size for a value of the wrong size (not kept)."""
+    def send_mget(self, keys: Sequence[bytes]) -> None:
+        """Send MGET keys (its reply read by read_mget; several may be in flight, read in order)."""
         if self.sock is None:
             self._connect()
-        rows = np.empty((len(keys), value_nbytes), dtype=np.uint8)
-        sizes: list[int] = []
         try:
             self._send([b"MGET", *keys])
+        except BaseException:
+            self.close()
+            raise
+
+    def read_mget(self, num: int, rows: np.ndarray) -> list[int]:
+        """The reply to the oldest MGET in flight, of `num` keys: value i straight into rows[i] when its
+        size is rows.shape[1]. Returns the sizes: -1 for a missing key, another size for a value of the
+        wrong size (read and dropped)."""
+        value_nbytes = rows.shape[1]
+        sizes: list[int] = []
+        try:
             head = self._line()
-            if head[:1] != b"*" or int(head[1:]) != len(keys):
+            if head[:1] != b"*" or int(head[1:]) != num:
                 raise RespError(f"MGET: {head[:200]!r}")
-            for i in range(len(keys)):
+            for i in range(num):
                 line = self._line()
                 if line[:1] != b"$":
                     raise RespError(f"MGET: {line[:200]!r}")
@@ -151,4 +159,4 @@ class MgetReader:
         except BaseException:
             self.close()
             raise
-        return rows, sizes
+        return sizes

@@ -89,21 +89,27 @@ class SharedTier:
         return self.codec.gather(pages).numpy()
 
     # -- lookups ----------------------------------------------------------------------------------
-    async def lookup(self, last: bytes, rest: bytes, page_nbytes: int, skip: int, limit: int) -> list[np.ndarray]:
+    async def lookup(
+        self, last: bytes, rest: bytes, page_nbytes: int, skip: int, limit: int
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The pages of `rest` (token bytes after the page hashed `last`) from page `skip` on that the
-        store holds intact, in order, up to `limit` pages in all; [] if the tier is failing."""
+        store holds intact, in order, up to `limit` pages in all ([] if the tier is failing), and the
+        buffers they lie in: give those to release() once the pages are copied (or dropped)."""
         if skip >= limit or not self.incident.usable():
-            return []
+            return [], []
         get = functools.partial(self.store.get, last, rest, page_nbytes, skip, limit)
         try:
-            found = await asyncio.get_running_loop().run_in_executor(self._read, get)
+            found, buffers = await asyncio.get_running_loop().run_in_executor(self._read, get)
         except Exception as exc:
             self.incident.failed(self.stats, exc)
-            return []
+            return [], []
         self.incident.succeeded()
         if not found:
             self.stats.misses += 1
-        return found
+        return found, buffers
+
+    def release(self, buffers: list[np.ndarray]) -> None:
+        self.store.release(buffers)
 
     def stop(self) -> None:
         """No more writes (before the engine closes)."""
