@@ -1,0 +1,72 @@
+"""The remote tier's MGET reader (service.tiers.resp) against a real redis-server: values land in their
+rows byte for byte, missing and wrong-sized values are told apart, the URL's password and database are
+used, and a store gone or restarted fails the call and is reconnected to on the next one."""
+
+import os
+
+import numpy as np
+import pytest
+
+from service.tiers.resp import MgetReader
+from tests.tiers.conftest import RedisServer
+
+
+def test_values_into_rows_and_two_replies_in_flight(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    size = 70_000  # several recv calls per value, more than the line buffer
+    values = [os.urandom(size) for _ in range(3)]
+    client.mset({"a": values[0], "b": values[1], "c": values[2], "short": b"x" * 10})
+    reader = MgetReader(redis_server.url, 2.0)
+    try:
+        reader.send_mget([b"a", b"missing", b"short", b"b"])
+        reader.send_mget([b"c", b"a"])  # sent before the first reply is read
+        rows = np.zeros((4, size), dtype=np.uint8)
+        assert reader.read_mget(4, rows) == [size, -1, 10, size]
+        assert rows[0].tobytes() == values[0] and rows[3].tobytes() == values[1]
+        assert not rows[1].any() and not rows[2].any()  # nothing written for a missing or wrong-sized value
+        rows2 = np.zeros((2, size), dtype=np.uint8)
+        assert reader.read_mget(2, rows2) == [size, size]
+        assert rows2[0].tobytes() == values[2] and rows2[1].tobytes() == values[0]
+    finally:
+        reader.close()
+
+
+def test_password_and_database_from_the_url(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    client.execute_command("SELECT", 3)
+    client.set("k", b"in db 3")
+    client.config_set("requirepass", "s3cret")
+    url = f"redis://:s3cret@127.0.0.1:{redis_server.port}/3"
+    reader = MgetReader(url, 2.0)
+    try:
+        reader.send_mget([b"k"])
+        rows = np.zeros((1, 7), dtype=np.uint8)
+        assert reader.read_mget(1, rows) == [7]
+        assert rows[0].tobytes() == b"in db 3"
+    finally:
+        reader.close()
+    wrong = MgetReader(f"redis://:nope@127.0.0.1:{redis_server.port}/3", 2.0)
+    with pytest.raises(Exception, match="AUTH"):
+        wrong.send_mget([b"k"])
+    assert wrong.sock is None
+
+
+def test_store_down_then_back(redis_server: RedisServer) -> None:
+    redis_server.client().set("k", b"v1")
+    reader = MgetReader(redis_server.url, 0.5)
+    rows = np.zeros((1, 2), dtype=np.uint8)
+    try:
+        reader.send_mget([b"k"])
+        assert reader.read_mget(1, rows) == [2]
+        redis_server.stop()
+        with pytest.raises(OSError):
+            reader.send_mget([b"k"])
+            reader.read_mget(1, rows)
+        assert reader.sock is None
+        redis_server.start()
+        redis_server.client().set("k", b"v2")
+        reader.send_mget([b"k"])  # reconnects
+        assert reader.read_mget(1, rows) == [2]
+        assert rows[0].tobytes() == b"v2"
+    finally:
+        reader.close()
