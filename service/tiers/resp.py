@@ -16,6 +16,7 @@ import numpy as np
 from redis.connection import parse_url
 
 LINE_BUF = 1 << 16
+RECV_BUF = 8 << 20
 
 
 class RespError(Exception):
@@ -48,6 +49,8 @@ class MgetReader:
         else:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Room for the reply sent ahead while the current one is checked (capped by net.core.rmem_max).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUF)
         self.sock, self.start, self.end = sock, 0, 0
         try:
             if self.password:
