@@ -262,12 +262,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         began = time.perf_counter_ns()
         self._copier.load(pool.blocks, job.pages, job.block_ids, job.start, job.start + job.count)
         link.stats["load_copy_ns"] += time.perf_counter_ns() - began
-        import os
-
-        os.environ.get("KVDBG") and print("DBG load", job.count, (time.perf_counter_ns() - began) / 1e6, flush=True)
-        # The copy is right only if the pin (hence its pages) lived throughout on the mapped server:
-        # the pin exists now, and the server now is the mapped instance (ids are new at every start).
-        if link.call(lambda: link.client.get_sequence(job.pin_id)) is None or not link.same_instance():
+        # The copy is right only if the pin (hence its pages) lived throughout on the mapped server: the pin
+        # exists now on the mapped instance (one call, its answer naming the instance; a server loses its
+        # sequences when it stops and its id is new at every start, so the pin was there all along).
+        if not link.holds(job.pin_id):
             return False
         link.stats["loaded_tokens"] += job.count
         return True
@@ -343,7 +341,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         start = seq.cached_tokens
         if start < job.end:
             try:
-                appended = link.client.append(seq.seq_id, token_ids=job.token_ids[start : job.end])
+                appended = link.client.append(seq.seq_id, token_ids=job.token_ids[start : job.end], instance=True)
             except KVPoolError as exc:  # refused whole (out of pages, quota): nothing was appended
                 link.record(exc)
                 link.free(seq.seq_id)
@@ -353,20 +351,27 @@ class KVPoolConnector(KVConnectorBase_V1):
                 link.record(exc)
                 link.stats["sequences_left"] += 1
                 return
-            if not self._write(job, start, seq.seq_id, appended.block_table):
+            if not self._write(job, start, seq.seq_id, appended.block_table, appended.instance_id):
                 link.stats["sequences_left"] += 1  # the same: written into a pool that is not the server's
                 return
             link.stats["saved_tokens"] += job.end - start
         link.free(seq.seq_id)
 
-    def _write(self, job: SaveJob, start: int, seq_id: str, pages: list[int]) -> bool:
-        """Copy tokens [start, job.end) into the sequence's `pages`; True once the server is the mapped one.
+    def _write(self, job: SaveJob, start: int, seq_id: str, pages: list[int], instance_id: str | None) -> bool:
+        """Copy tokens [start, job.end) into the sequence's `pages`; True once written into the pool of the
+        server that holds the sequence (the one the free then commits it on).
 
-        A restart found after the write: the write went into a pool that is no longer the server's. It is
-        written again into the new pool only if the server answering now holds this sequence on these very
-        pages (the append ran on it, after the restart); otherwise those page ids are someone else's there.
+        `instance_id`: the server that ran the append. The mapped one: its pages are the mapped pool's, and
+        no check after the write is needed (a server restarted after the append has lost the sequence, so
+        the free finds nothing to commit). Another one (restarted before the append): the new pool is
+        mapped, and written only if that is the server that ran the append. Unnamed (an older server): the
+        server is checked after the write, and a restart found then is written again only if the server
+        answering holds this sequence on these very pages (otherwise those page ids are someone else's).
         """
         link = self._link
+        if instance_id is not None and instance_id != link.instance_id:  # connect() counts the restart
+            if not link.connect(at_start=False) or link.instance_id != instance_id:
+                return False
         for attempt in range(2):
             pool = link.pool
             if pool is None:
@@ -377,12 +382,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             began = time.perf_counter_ns()
             self._copier.save(pool.blocks, job.block_ids, pages, start, job.end)
             link.stats["save_copy_ns"] += time.perf_counter_ns() - began
-            import os
-
-            os.environ.get("KVDBG") and print(
-                "DBG save", job.end - start, (time.perf_counter_ns() - began) / 1e6, flush=True
-            )
-            if link.same_instance():
+            if instance_id is not None or link.same_instance():
                 return True
             if not link.connect(at_start=False):
                 return False
