@@ -184,6 +184,10 @@ class KVPoolLink:
             self.record(exc)
         return None
 
+    def forget(self, seq_id: str) -> None:
+        """A sequence to free once kvpool answers again (one holding only cached pages: a free commits nothing)."""
+        self._orphans.add(seq_id)
+
     def free(self, seq_id: str) -> bool:
         return self.call(lambda: self.client.free(seq_id)) is not None
 
