@@ -10,8 +10,7 @@ calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the 
 
 Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is
 the cached prefix, held (not evictable) until its first save, or until the request finishes or is
-aborted. The hit answered
-is that prefix cut to vLLM's block size. Worker side: the loads copy the pinned pages into vLLM's
+aborted. The hit answered is that prefix cut to vLLM's block size. Worker side: the loads copy the pinned pages into vLLM's
 blocks before the forward, then check that the pin still lives on the server whose pool is mapped
 (one call, whose answer names the instance; else the blocks are reported as load errors and vLLM
 recomputes them). After the forward, every
