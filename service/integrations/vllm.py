@@ -8,22 +8,21 @@ Extra config keys: `kvpool_url` (required), `kvpool_api_key` (a Bearer key of KV
 tenant must be in KVPOOL_IPC_TENANTS), `timeout_s` (per HTTP call, 5), `retry_interval_s` (how long
 calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the step wait).
 
-Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is
-the cached prefix, held (not evictable) until its first save, or until the request finishes or is
-aborted. The hit answered is that prefix cut to vLLM's block size. Worker side: the loads copy the pinned pages into vLLM's
-blocks before the forward, then check that the pin still lives on the server whose pool is mapped
-(one call, whose answer names the instance; else the blocks are reported as load errors and vLLM
-recomputes them). After the forward, every
-request whose computed tokens filled more kvpool pages is queued for a save, which the step does not
-wait for: the request's first save appends to its pin (which holds what kvpool had at the lookup), a
-later one to a sequence created from its token ids (what kvpool has already is matched, not copied);
-the rest appended (the append's answer names the server's instance: it must be the mapped one), its
-K/V copied from vLLM's blocks into the pool at the appended slots, and the sequence freed, which
-commits the pages to kvpool's prefix cache. vLLM keeps
-a finished request's blocks until its saves are done (request_finished answers True; get_finished
-reports them), and a step that reuses a preempted request's blocks first lets its saves finish
-(handle_preemptions). Each side's kvpool calls and copies run on a thread of its own (vllm_thread).
-K/V moves only through the mapped pool.
+Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is the
+cached prefix, held (not evictable) until its first save, or until the request finishes or is aborted.
+The hit answered is that prefix cut to vLLM's block size. Worker side: the loads copy the pinned pages
+into vLLM's blocks before the forward, then check that the pin still lives on the server whose pool is
+mapped (one call, whose answer names the instance; else the blocks are reported as load errors and vLLM
+recomputes them). After the forward, every request whose computed tokens filled more kvpool pages is
+queued for a save, which the step does not wait for: the request's first save appends to its pin (which
+holds what kvpool had at the lookup), a later one to a sequence created from its token ids (what kvpool
+has already is matched, not copied); the rest appended (the append's answer names the server's instance:
+it must be the mapped one), its K/V copied from vLLM's blocks into the pool at the appended slots, and
+the sequence freed, which commits the pages to kvpool's prefix cache. vLLM keeps a finished request's
+blocks until its saves are done (request_finished answers True; get_finished reports them), and a step
+that reuses a preempted request's blocks first lets its saves finish (handle_preemptions). Each side's
+kvpool calls and copies run on a thread of its own (vllm_thread). K/V moves only through the mapped
+pool.
 
 vLLM's block size and kvpool's page size are independent: vllm_copy moves runs of gcd(page, block)
 tokens, every layer in one compiled pass (torch ops where it is not built). A request's `cache_salt`
