@@ -122,8 +122,9 @@ class Calls:
         return Call("POST", "/v1/sequences", SequenceInfo.model_validate_json, body)
 
     @staticmethod
-    def get_sequence(seq_id: str) -> Call[SequenceInfo]:
-        return Call("GET", f"/v1/sequences/{seq_id}", SequenceInfo.model_validate_json)
+    def get_sequence(seq_id: str, instance: bool = False) -> Call[SequenceInfo]:
+        query = "?instance=true" if instance else ""
+        return Call("GET", f"/v1/sequences/{seq_id}{query}", SequenceInfo.model_validate_json)
 
     @staticmethod
     def append(
@@ -132,6 +133,7 @@ class Calls:
         token_ids: Sequence[int] | None,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
+        instance: bool = False,
     ) -> Call[AppendResult]:
         if num_tokens is None:
             if token_ids is None:
@@ -140,7 +142,8 @@ class Calls:
         body: dict[str, Any] = {"num_tokens": num_tokens}
         if token_ids is not None:
             body["token_ids"] = list(token_ids)
-        return Call("POST", f"/v1/sequences/{seq_id}/append", AppendResult.model_validate_json, _with_kv(body, k, v))
+        path = f"/v1/sequences/{seq_id}/append{'?instance=true' if instance else ''}"
+        return Call("POST", path, AppendResult.model_validate_json, _with_kv(body, k, v))
 
     @staticmethod
     def fork(seq_id: str, child_id: str | None) -> Call[SequenceInfo]:

@@ -54,8 +54,9 @@ class KVPoolClient(_Base):
         cache_salt: prefixes are shared only between sequences with the same salt (and tenant)."""
         return self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt))
 
-    def get_sequence(self, seq_id: str) -> SequenceInfo:
-        return self._run(Calls.get_sequence(seq_id))
+    def get_sequence(self, seq_id: str, instance: bool = False) -> SequenceInfo:
+        """instance: the answer's .instance_id names the server's instance."""
+        return self._run(Calls.get_sequence(seq_id, instance))
 
     def append(
         self,
@@ -64,8 +65,9 @@ class KVPoolClient(_Base):
         token_ids: Sequence[int] | None = None,
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
+        instance: bool = False,
     ) -> AppendResult:
-        return self._run(Calls.append(seq_id, num_tokens, token_ids, k, v))
+        return self._run(Calls.append(seq_id, num_tokens, token_ids, k, v, instance))
 
     def fork(self, seq_id: str, child_id: str | None = None) -> SequenceInfo:
         return self._run(Calls.fork(seq_id, child_id))
@@ -144,8 +146,9 @@ class AsyncKVPoolClient(_Base):
         cache_salt: prefixes are shared only between sequences with the same salt (and tenant)."""
         return await self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt))
 
-    async def get_sequence(self, seq_id: str) -> SequenceInfo:
-        return await self._run(Calls.get_sequence(seq_id))
+    async def get_sequence(self, seq_id: str, instance: bool = False) -> SequenceInfo:
+        """instance: the answer's .instance_id names the server's instance."""
+        return await self._run(Calls.get_sequence(seq_id, instance))
 
     async def append(
         self,
@@ -154,8 +157,9 @@ class AsyncKVPoolClient(_Base):
         token_ids: Sequence[int] | None = None,
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
+        instance: bool = False,
     ) -> AppendResult:
-        return await self._run(Calls.append(seq_id, num_tokens, token_ids, k, v))
+        return await self._run(Calls.append(seq_id, num_tokens, token_ids, k, v, instance))
 
     async def fork(self, seq_id: str, child_id: str | None = None) -> SequenceInfo:
         return await self._run(Calls.fork(seq_id, child_id))

@@ -184,13 +184,29 @@ class KVPoolLink:
             self.record(exc)
         return None
 
+    def forget(self, seq_id: str) -> None:
+        """A sequence to free once kvpool answers again (one holding only cached pages: a free commits nothing)."""
+        self._orphans.add(seq_id)
+
     def free(self, seq_id: str) -> bool:
         return self.call(lambda: self.client.free(seq_id)) is not None
 
-    def holds(self, seq_id: str, pages: list[int]) -> bool:
-        """The server answering now has sequence `seq_id` on exactly `pages`."""
-        info = self.call(lambda: self.client.get_sequence(seq_id))
-        return info is not None and info.block_table == pages
+    def holds(self, seq_id: str, pages: list[int] | None = None) -> bool:
+        """The server answering now is the mapped instance and has sequence `seq_id` (on exactly `pages` if
+        given): one call, the answer naming its instance (two, against a server too old to name it)."""
+        info = self.call(lambda: self.client.get_sequence(seq_id, instance=True))
+        if info is None or not self.is_mapped(info.instance_id):
+            return False
+        return pages is None or info.block_table == pages
+
+    def is_mapped(self, instance_id: str | None) -> bool:
+        """`instance_id` (from an answer; None from a server that does not name it) is the mapped instance."""
+        if instance_id is None:
+            return self.same_instance()
+        if instance_id != self.instance_id:
+            self.fault("restarted", f"instance {self.instance_id} -> {instance_id}")
+            return False
+        return True
 
     def same_instance(self) -> bool:
         """The server answering now is the one whose pool is mapped (False also when unreachable)."""

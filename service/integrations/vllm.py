@@ -8,19 +8,21 @@ Extra config keys: `kvpool_url` (required), `kvpool_api_key` (a Bearer key of KV
 tenant must be in KVPOOL_IPC_TENANTS), `timeout_s` (per HTTP call, 5), `retry_interval_s` (how long
 calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the step wait).
 
-Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is
-the cached prefix, held (not evictable) until the request finishes or is aborted. The hit answered
-is that prefix cut to vLLM's block size. Worker side: the loads copy the pinned pages into vLLM's
-blocks before the forward, then check that the pin still lives on the server whose pool is mapped
-(else the blocks are reported as load errors and vLLM recomputes them). After the forward, every
-request whose computed tokens filled more kvpool pages is queued for a save, which the step does not
-wait for: a sequence created from its token ids (what kvpool has already is matched, not copied), the
-rest appended, its K/V copied from vLLM's blocks into the pool at the appended slots, the server's
-instance checked, and the sequence freed, which commits the pages to kvpool's prefix cache. vLLM keeps
-a finished request's blocks until its saves are done (request_finished answers True; get_finished
-reports them), and a step that reuses a preempted request's blocks first lets its saves finish
-(handle_preemptions). Each side's kvpool calls and copies run on a thread of its own (vllm_thread).
-K/V moves only through the mapped pool.
+Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is the
+cached prefix, held (not evictable) until its first save, or until the request finishes or is aborted.
+The hit answered is that prefix cut to vLLM's block size. Worker side: the loads copy the pinned pages
+into vLLM's blocks before the forward, then check that the pin still lives on the server whose pool is
+mapped (one call, whose answer names the instance; else the blocks are reported as load errors and vLLM
+recomputes them). After the forward, every request whose computed tokens filled more kvpool pages is
+queued for a save, which the step does not wait for: the request's first save appends to its pin (which
+holds what kvpool had at the lookup), a later one to a sequence created from its token ids (what kvpool
+has already is matched, not copied); the rest appended (the append's answer names the server's instance:
+it must be the mapped one), its K/V copied from vLLM's blocks into the pool at the appended slots, and
+the sequence freed, which commits the pages to kvpool's prefix cache. vLLM keeps a finished request's
+blocks until its saves are done (request_finished answers True; get_finished reports them), and a step
+that reuses a preempted request's blocks first lets its saves finish (handle_preemptions). Each side's
+kvpool calls and copies run on a thread of its own (vllm_thread). K/V moves only through the mapped
+pool.
 
 vLLM's block size and kvpool's page size are independent: vllm_copy moves runs of gcd(page, block)
 tokens, every layer in one compiled pass (torch ops where it is not built). A request's `cache_salt`
@@ -150,9 +152,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             return None
         hit = info.cached_tokens // self._block_size * self._block_size
         self._saved[request.request_id] = max(self._saved.get(request.request_id, 0), info.cached_tokens)
-        if hit == 0:
-            self._release(info.seq_id)
-            return None
+        # Kept even without a hit: the request's first save appends to it (build_connector_meta).
         pages = info.block_table[: -(-hit // link.page_size)]
         pin = Pin(info.seq_id, pages, hit, info.cached_tokens)
         self._pins[request.request_id] = pin
@@ -190,7 +190,11 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._saved[req_id] = end
             self._saving.add(req_id)
             block_ids = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
-            meta.saves.append(SaveJob(req_id, list(tokens[: end + 1]), end, block_ids, request.cache_salt))
+            job = SaveJob(req_id, list(tokens[: end + 1]), end, block_ids, request.cache_salt)
+            pin = self._pins.pop(req_id, None)  # handed over: this step's loads from it run before the save
+            if pin is not None:
+                job.pin_id, job.pin_length = pin.seq_id, pin.cached
+            meta.saves.append(job)
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
         return meta
 
@@ -262,12 +266,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         began = time.perf_counter_ns()
         self._copier.load(pool.blocks, job.pages, job.block_ids, job.start, job.start + job.count)
         link.stats["load_copy_ns"] += time.perf_counter_ns() - began
-        import os
-
-        os.environ.get("KVDBG") and print("DBG load", job.count, (time.perf_counter_ns() - began) / 1e6, flush=True)
-        # The copy is right only if the pin (hence its pages) lived throughout on the mapped server:
-        # the pin exists now, and the server now is the mapped instance (ids are new at every start).
-        if link.call(lambda: link.client.get_sequence(job.pin_id)) is None or not link.same_instance():
+        # The copy is right only if the pin (hence its pages) lived throughout on the mapped server: the pin
+        # exists now on the mapped instance (one call, its answer naming the instance; a server loses its
+        # sequences when it stops and its id is new at every start, so the pin was there all along).
+        if not link.holds(job.pin_id):
             return False
         link.stats["loaded_tokens"] += job.count
         return True
@@ -288,18 +290,28 @@ class KVPoolConnector(KVConnectorBase_V1):
         for job in meta.saves:
             with self._lock:
                 self._save_reqs.add(job.req_id)
-                # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, we save none of it.
-                if job.req_id in failed:
-                    continue
-                self._pending[job.req_id] += 1
+                # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, we save none
+                # of it (and release its pin: nothing was appended to it, its pages are cached ones).
+                skip = job.req_id in failed
+                if not skip:
+                    self._pending[job.req_id] += 1
+            if skip:
+                if job.pin_id is not None:
+                    self._thread.submit(partial(self._free, job.pin_id))
+                continue
             if self._thread.submit(partial(self._run_save, job)):
                 self._waits["save_queue_full"] += 1
+
+    def _free(self, seq_id: str) -> None:
+        self._link.free(seq_id)
 
     def _run_save(self, job: SaveJob) -> None:
         began = time.perf_counter_ns()
         try:
             if self._link.usable():
                 self._guarded(self._save, job)
+            elif job.pin_id is not None:
+                self._link.forget(job.pin_id)  # released once kvpool answers again (if the pin outlived it)
         finally:
             self._link.stats["save_ns"] += time.perf_counter_ns() - began  # on the thread, not in the step
             with self._lock:
@@ -337,36 +349,46 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def _save(self, job: SaveJob) -> None:
         link = self._link
-        seq = link.create(job.token_ids, job.cache_salt)
-        if seq is None:
-            return
-        start = seq.cached_tokens
+        if job.pin_id is not None:  # the request's pin: it holds the prefix kvpool had at the lookup
+            seq_id, start = job.pin_id, job.pin_length
+        else:
+            seq = link.create(job.token_ids, job.cache_salt)
+            if seq is None:
+                return
+            seq_id, start = seq.seq_id, seq.cached_tokens
         if start < job.end:
             try:
-                appended = link.client.append(seq.seq_id, token_ids=job.token_ids[start : job.end])
+                appended = link.client.append(seq_id, token_ids=job.token_ids[start : job.end], instance=True)
             except KVPoolError as exc:  # refused whole (out of pages, quota): nothing was appended
                 link.record(exc)
-                link.free(seq.seq_id)
+                link.free(seq_id)
                 return
             except httpx.HTTPError as exc:
                 # Not freed: the append may have run, and a free would commit its unwritten pages.
                 link.record(exc)
                 link.stats["sequences_left"] += 1
                 return
-            if not self._write(job, start, seq.seq_id, appended.block_table):
+            if not self._write(job, start, seq_id, appended.block_table, appended.instance_id):
                 link.stats["sequences_left"] += 1  # the same: written into a pool that is not the server's
                 return
             link.stats["saved_tokens"] += job.end - start
-        link.free(seq.seq_id)
+        link.free(seq_id)
 
-    def _write(self, job: SaveJob, start: int, seq_id: str, pages: list[int]) -> bool:
-        """Copy tokens [start, job.end) into the sequence's `pages`; True once the server is the mapped one.
+    def _write(self, job: SaveJob, start: int, seq_id: str, pages: list[int], instance_id: str | None) -> bool:
+        """Copy tokens [start, job.end) into the sequence's `pages`; True once written into the pool of the
+        server that holds the sequence (the one the free then commits it on).
 
-        A restart found after the write: the write went into a pool that is no longer the server's. It is
-        written again into the new pool only if the server answering now holds this sequence on these very
-        pages (the append ran on it, after the restart); otherwise those page ids are someone else's there.
+        `instance_id`: the server that ran the append. The mapped one: its pages are the mapped pool's, and
+        no check after the write is needed (a server restarted after the append has lost the sequence, so
+        the free finds nothing to commit). Another one (restarted before the append): the new pool is
+        mapped, and written only if that is the server that ran the append. Unnamed (an older server): the
+        server is checked after the write, and a restart found then is written again only if the server
+        answering holds this sequence on these very pages (otherwise those page ids are someone else's).
         """
         link = self._link
+        if instance_id is not None and instance_id != link.instance_id:  # connect() counts the restart
+            if not link.connect(at_start=False) or link.instance_id != instance_id:
+                return False
         for attempt in range(2):
             pool = link.pool
             if pool is None:
@@ -377,12 +399,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             began = time.perf_counter_ns()
             self._copier.save(pool.blocks, job.block_ids, pages, start, job.end)
             link.stats["save_copy_ns"] += time.perf_counter_ns() - began
-            import os
-
-            os.environ.get("KVDBG") and print(
-                "DBG save", job.end - start, (time.perf_counter_ns() - began) / 1e6, flush=True
-            )
-            if link.same_instance():
+            if instance_id is not None or link.same_instance():
                 return True
             if not link.connect(at_start=False):
                 return False

@@ -31,6 +31,9 @@ class SaveJob:
     """Save tokens [0, end) (the KV of those kvpool does not hold yet) from vLLM `block_ids`.
 
     token_ids has `end` ids, plus the next one where known (so that kvpool may match the last page).
+    pin_id: the request's pin, handed over by the scheduler to its first save: the save appends to it
+    (from its `pin_length` tokens, the prefix kvpool held at the lookup) rather than creating a sequence
+    from every token id again, and its free commits the pages (the pin is released with it).
     """
 
     req_id: str
@@ -38,6 +41,8 @@ class SaveJob:
     end: int
     block_ids: list[int]
     cache_salt: str | None
+    pin_id: str | None = None
+    pin_length: int = 0
 
 
 @dataclass

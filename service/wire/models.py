@@ -89,6 +89,7 @@ class SequenceOut(Answer):
     cached_tokens: int
     ttl_s: float | None = Field(None, description="the lease (present only on leased sequences)")
     expires_in_s: float | None = Field(None, description="seconds left on the lease at this response")
+    instance_id: str | None = Field(None, description="the server's instance (only when asked: ?instance=true)")
 
 
 class AppendRequest(Strict):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from service.client import KVPoolClient
 from tests.conftest import REPO, SMALL_POOL, Server, dec, enc, free_port
 
 P10 = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]
@@ -319,6 +320,28 @@ def test_generated_ids_and_id_conflicts(api: Server) -> None:
     assert pool(c) == before
     for seq_id in (generated, child, "taken"):
         assert c.delete(f"/v1/sequences/{seq_id}").status_code == 200
+
+
+def test_sequence_answers_name_the_instance_only_when_asked(api: Server) -> None:
+    c = api.client
+    instance = pool(c)["instance_id"]
+    assert c.post("/v1/sequences", json={"seq_id": "inst"}).status_code == 201
+    r = c.post("/v1/sequences/inst/append?instance=true", json={"num_tokens": 2})
+    assert r.status_code == 200 and r.json()["instance_id"] == instance and r.json()["length"] == 2
+    r = c.post("/v1/sequences/inst/append", json={"num_tokens": 1})
+    assert r.status_code == 200 and "instance_id" not in r.json() and r.json()["length"] == 3
+    plain = sequence(c, "inst")
+    assert "instance_id" not in plain and plain["length"] == 3
+    r = c.get("/v1/sequences/inst?instance=true")
+    assert r.status_code == 200 and r.json() == {**plain, "instance_id": instance}
+    assert_error(c.get("/v1/sequences/inst?instance=maybe"), 422, "invalid_request")
+    assert_error(c.get("/v1/sequences/missing?instance=true"), 404, "sequence_not_found")
+    with KVPoolClient(api.url) as client:  # the client parses the field when it asks for it, None otherwise
+        assert client.get_sequence("inst", instance=True).instance_id == instance
+        assert client.get_sequence("inst").instance_id is None
+        appended = client.append("inst", 1, instance=True)
+        assert (appended.instance_id, appended.length) == (instance, 4)
+    assert c.delete("/v1/sequences/inst").status_code == 200
 
 
 # -- errors -----------------------------------------------------------------------------------------

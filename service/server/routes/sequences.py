@@ -3,7 +3,7 @@
 from typing import Annotated
 
 import torch
-from fastapi import Path, Request
+from fastapi import Path, Query, Request
 from starlette.responses import Response
 
 from service.server.bodies import read_json, read_optional_json
@@ -24,6 +24,9 @@ from service.wire.models import (
 
 routes = RouteTable(tags=["sequences"])
 SeqIdPath = Annotated[str, Path(pattern=SEQ_ID_PATTERN)]
+# ?instance=true: the answer also names the server's instance_id (a client that maps the pool checks with it
+# that the pages it reads or writes are this server's, without a second call to /v1/pool).
+InstanceQuery = Annotated[bool, Query(description="also answer the server's instance_id")]
 ERRORS = error_responses(401, 404, 409, 413, 422, 429, 507)
 
 
@@ -39,13 +42,18 @@ async def create_sequence(request: Request, pool: StateDep, tenant: TenantDep) -
 
 
 @routes.get("/v1/sequences/{seq_id}", response_model=SequenceOut, responses=ERRORS)
-async def get_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep) -> Response:
+async def get_sequence(
+    seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep, instance: InstanceQuery = False
+) -> Response:
     """Length and block table of a sequence."""
-    return json_response(pool.sequence_body(pool.sequences.get(seq_id, tenant)))
+    body = pool.sequence_body(pool.sequences.get(seq_id, tenant))
+    return json_response({**body, "instance_id": pool.instance_id} if instance else body)
 
 
 @routes.post("/v1/sequences/{seq_id}/append", body=AppendRequest, response_model=AppendOut, responses=ERRORS)
-async def append_tokens(seq_id: SeqIdPath, request: Request, pool: StateDep, tenant: TenantDep) -> Response:
+async def append_tokens(
+    seq_id: SeqIdPath, request: Request, pool: StateDep, tenant: TenantDep, instance: InstanceQuery = False
+) -> Response:
     """Append tokens: new slots for each, and with k/v their data written into every layer."""
     with renewed_if_refused(pool, tenant, (seq_id,)):
         body = await read_json(request, AppendRequest)
@@ -60,6 +68,8 @@ async def append_tokens(seq_id: SeqIdPath, request: Request, pool: StateDep, ten
 
     # The answer describes the sequence as this append left it, whatever requests run while the device works.
     answer = {**pool.sequence_body(seq), "slots": ext.slots.tolist()}
+    if instance:
+        answer["instance_id"] = pool.instance_id
     if ext.copies or kv is not None:  # submitted with no await since the bookkeeping: device work keeps its order
         nbytes = len(ext.copies) * s.page_nbytes + kv_nbytes(kv)
         await pool.engine.submit(write_appended, pool.engine.fits_inline(nbytes=nbytes))
