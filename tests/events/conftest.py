@@ -125,3 +125,24 @@ def put_prompt(server: Server, tokens: list[int], headers: dict[str, str] | None
     assert c.delete(f"/v1/sequences/{body['seq_id']}", headers=headers).status_code == 200
     result: dict[str, Any] = body
     return result
+
+
+def block_stored(
+    hashes: list[bytes], parent: bytes | None, tokens: list[int], medium: str, page_size: int, tag: str
+) -> Any:
+    """The BlockStored kvpool publishes for one run of pages: a chain start (parent None) carries the
+    tenant tag in its first extra_keys entry, every other entry is None."""
+    extra: list[Any] = [None] * len(hashes)
+    if parent is None:
+        extra[0] = (tag,)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=page_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        extra_keys=extra,
+        group_idx=0,
+    )

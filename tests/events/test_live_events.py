@@ -13,6 +13,7 @@ from tests.events.conftest import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    block_stored,
     chain,
     events_env,
     put_prompt,
@@ -23,20 +24,7 @@ TAG = root_hash("")[:8].hex()
 
 
 def stored(hashes: list[bytes], parent: bytes | None, tokens: list[int]) -> Any:
-    extra: list[Any] = [None] * len(hashes)
-    if parent is None:
-        extra[0] = (TAG,)
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=tokens,
-        block_size=PAGE,
-        lora_id=None,
-        medium="CPU",
-        lora_name=None,
-        extra_keys=extra,
-        group_idx=0,
-    )
+    return block_stored(hashes, parent, tokens, "CPU", PAGE, TAG)
 
 
 def apply(index: set[Any], events: list[Any]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from service.core.hashing import root_hash
-from tests.events.conftest import BlockRemoved, BlockStored, chain, events_env, put_prompt
+from tests.events.conftest import BlockRemoved, block_stored, chain, events_env, put_prompt
 
 PAGE = 4
 TAG = root_hash("")[:8].hex()
@@ -16,20 +16,7 @@ MEDIUM = {"host": "CPU_TIER", "disk": "STORAGE"}  # a CPU pool: its own events s
 
 
 def stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], medium: str) -> Any:
-    extra: list[Any] = [None] * len(hashes)
-    if parent is None:
-        extra[0] = (TAG,)
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=tokens,
-        block_size=PAGE,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-        extra_keys=extra,
-        group_idx=0,
-    )
+    return block_stored(hashes, parent, tokens, medium, PAGE, TAG)
 
 
 def removed(hashes: list[bytes], medium: str) -> Any:
