@@ -30,24 +30,23 @@ class PoolState:
         self.engine = Engine(self.storage, settings.attention_backend)
         self.ipc_socket: FdServer | None = None  # memfd pools: where frontends get the descriptors
         self.max_attend_tokens = settings.max_attend_tokens or default_max_attend_tokens(self.storage.device.type)
+        self.events: EventPublisher | None = None
+        self.tiers: Tiers | None = None
         try:
-            self.events = start_events(self) if settings.kv_events_endpoint else None
-        except RuntimeError:  # e.g. the port is taken: give back what is built (the pool's shm segment)
+            if settings.kv_events_endpoint:
+                self.events = start_events(self)
+            if settings.spill != "none" or settings.remote_url:
+                self.tiers = Tiers(self)
+        except BaseException:  # e.g. the events port is taken: give back what is built (threads, the pool)
+            if self.events is not None:
+                self.events.close()
             self.engine.close()
             self.storage.close()
             raise
-        self.tiers: Tiers | None = None
-        if settings.spill != "none" or settings.remote_url:
-            try:
-                self.tiers = Tiers(self)
-            except BaseException:
-                self.engine.close()
-                self.storage.close()
-                raise
-            if self.events is not None:  # the node's tier publishes what it stores and drops
-                from service.events.listener import EventListener
+        if self.tiers is not None and self.events is not None:  # the node's tier publishes what it stores and drops
+            from service.events.listener import EventListener
 
-                self.tiers.events = EventListener(self.events.put)
+            self.tiers.events = EventListener(self.events.put)
         self.ready = True
 
     def open_ipc_socket(self, authorize: Callable[[str | None], None]) -> None:
