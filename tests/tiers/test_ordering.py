@@ -57,14 +57,20 @@ async def evict_behind_a_busy_worker(state: PoolState) -> list[int]:
     return pages
 
 
+async def spill_prompt(state: PoolState) -> tuple[list[int], list[int]]:
+    """Prompt 1 written and cached as "a", then evicted by "b" behind a busy worker (the spill copies
+    queued before b's write). Returns (a's pages, b's pages)."""
+    old = await write_prompt(state, "a", 1)
+    state.sequences.create("b")
+    return old, await evict_behind_a_busy_worker(state)
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_evicted_then_overwritten_pages_spill_their_old_data(tier: str, tmp_path: Any) -> None:
     async def scenario() -> None:
         state = make_state(tier, tmp_path)
         try:
-            old = await write_prompt(state, "a", 1)
-            state.sequences.create("b")
-            taken = await evict_behind_a_busy_worker(state)
+            old, taken = await spill_prompt(state)
             assert set(old) <= set(taken)  # the prompt's pages were evicted and overwritten by "b"
             assert state.tiers is not None and state.tiers.local is not None
             assert len(state.tiers.local.index) == 4
@@ -83,9 +89,7 @@ def test_a_failed_tier_read_restores_nothing(tmp_path: Any) -> None:
     async def scenario() -> None:
         state = make_state("disk", tmp_path)
         try:
-            await write_prompt(state, "a", 1)
-            state.sequences.create("b")
-            await evict_behind_a_busy_worker(state)
+            await spill_prompt(state)
             tiers = state.tiers
             assert tiers is not None and tiers.local is not None
             disk = tiers.local
@@ -162,9 +166,7 @@ def test_a_cancelled_restore_finishes_and_leaks_nothing(tmp_path: Any) -> None:
     async def scenario() -> None:
         state = make_state("disk", tmp_path)
         try:
-            await write_prompt(state, "a", 1)
-            state.sequences.create("b")
-            await evict_behind_a_busy_worker(state)
+            await spill_prompt(state)
             assert state.tiers is not None
             task = asyncio.get_running_loop().create_task(state.tiers.restore([*prompt(1), 7], "", ""))
             for _ in range(3):  # into its copies
