@@ -157,3 +157,17 @@ def percentile(values: list[float], q: float) -> float:
     """Nearest rank: p99 of 100 values is the 99th smallest."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def report(name: str, figures: dict[str, Any]) -> None:
+    """One line the README's reliability section quotes (run with -s)."""
+    print(f"\n[chaos] {name}: " + json.dumps(figures))
+
+
+def latencies(times: dict[str, list[float]]) -> dict[str, float]:
+    """p50 and p99 in ms of each kind measure() timed: healthz_p50_ms, ..., step_p99_ms."""
+    return {
+        f"{kind}_{q}_ms": round(percentile(values, p) * 1e3, 2)
+        for kind, values in times.items()
+        for q, p in (("p50", 0.5), ("p99", 0.99))
+    }

@@ -9,15 +9,16 @@ Figures are printed for the README's reliability section (`pytest -s tests/chaos
 import json
 import socket
 import time
-from typing import Any
 
 from tests.chaos.conn_helpers import (
     SLOW_BODY_HEAD,
     holding,
+    latencies,
     nofile_limit,
     percentile,
     raise_own_fd_limit,
     read_all,
+    report,
     request,
     server_fds,
     start,
@@ -41,14 +42,6 @@ def measure(port: int, healthz: int = 100, steps: int = 100) -> dict[str, list[f
     return times
 
 
-def report(name: str, figures: dict[str, Any]) -> None:
-    print(f"\n[chaos] {name}: " + json.dumps(figures))
-
-
-def ms(values: list[float]) -> dict[str, float]:
-    return {"p50_ms": round(percentile(values, 0.5) * 1e3, 2), "p99_ms": round(percentile(values, 0.99) * 1e3, 2)}
-
-
 def test_new_clients_are_served_while_2000_slow_connections_are_held() -> None:
     """`ulimit -n 1024` (hard limit left as is), 2,000 connections held: silent, half a head, a body a byte at a
     time. A new client's /healthz and step answer within 100 ms (p99), and the server still holds them all."""
@@ -62,9 +55,7 @@ def test_new_clients_are_served_while_2000_slow_connections_are_held() -> None:
             alive = held.still_open()
         report(
             "2000 slow connections, ulimit -n 1024",
-            {"held": HELD, "server_fds": fds_while_held, "still_open": alive}
-            | {f"healthz_{k}": v for k, v in ms(times["healthz"]).items()}
-            | {f"step_{k}": v for k, v in ms(times["step"]).items()},
+            {"held": HELD, "server_fds": fds_while_held, "still_open": alive} | latencies(times),
         )
         assert fds_while_held > HELD  # the soft limit was raised, not worked around
         assert alive == {"silent": 700, "half_head": 700, "slow_body": 600}
@@ -88,9 +79,7 @@ def test_a_hard_limit_of_1024_sheds_idle_connections_instead_of_failing() -> Non
             alive = held.still_open()
         report(
             "2000 idle connections, hard limit 1024",
-            {"held": HELD, "server_fds": fds_while_held, "still_open": alive}
-            | {f"healthz_{k}": v for k, v in ms(times["healthz"]).items()}
-            | {f"step_{k}": v for k, v in ms(times["step"]).items()},
+            {"held": HELD, "server_fds": fds_while_held, "still_open": alive} | latencies(times),
         )
         assert fds_while_held < 1024
         assert alive["silent"] == 0 and 0 < alive["half_head"] < 1000  # the oldest went first

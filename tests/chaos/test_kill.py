@@ -7,18 +7,17 @@ so that `os.killpg` reaches exactly its process group. Afterwards nothing named 
 """
 
 import errno
-import json
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from service.client import KVPoolClient
 from service.ipc.fd_socket import receive_fds
+from tests.chaos.conn_helpers import report
 from tests.conftest import SMALL_POOL, Server
 
 SHM = Path("/dev/shm")
@@ -54,10 +53,6 @@ def kill(server: Server, how: str) -> None:
         server.stop()
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)  # nothing of the group is left
-
-
-def report(name: str, figures: dict[str, Any]) -> None:
-    print(f"\n[chaos] {name}: " + json.dumps(figures))
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "killpg"])
