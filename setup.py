@@ -1,8 +1,9 @@
 """The compiled parts: the core's per-page loops, compiled by Cython from their one Python source
-(service/core/page_ops.py, batching.py, prefix_index.py: pure-Python mode, so each file also runs
-as plain Python), kernels/_cpu_decode.c, the CPU backend's decode attention (without it, the
-torch reference runs: kernels/cpu_decode.py), and service/integrations/_vllm_copy.c, the vLLM
-connector's K/V copies (without it, torch ops do them). A failed compile fails the install.
+(service/core/page_ops.py, batching.py, lru.py, probe_hash.py, prefix_index.py, token_ids.py:
+pure-Python mode, so each file also runs as plain Python), kernels/_cpu_decode.c, the CPU
+backend's decode attention (without it, the torch reference runs: kernels/cpu_decode.py), and
+service/integrations/_vllm_copy.c, the vLLM connector's K/V copies (without it, torch ops do them).
+A failed compile fails the install.
 
 Everything else is in pyproject.toml.
 """
@@ -13,6 +14,9 @@ from setuptools import Extension, setup
 CORE = [
     "service/core/page_ops.py",
     "service/core/batching.py",
+    "service/core/lru.py",  # (these two before prefix_index.py, which calls them from C: their .pxd)
+    "service/core/probe_hash.py",
+    "service/core/token_ids.py",
     # SHA-256 from OpenSSL's libcrypto (the library hashlib wraps): building needs its headers
     # (libssl-dev); its SHA256_* calls are deprecated in OpenSSL 3 but kept, and are the fastest.
     Extension(

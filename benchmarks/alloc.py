@@ -47,8 +47,10 @@ def step_contexts(pool: Pool = PAGE16) -> list[int]:
     return [CONTEXT + i % pool.page_size for i in range(BATCH)]
 
 
-def _table(prefix_caching: bool, pool: Pool = PAGE16) -> SequenceTable:
-    return SequenceTable(PageAllocator(pool.num_pages, prefix_caching), pool.page_size)
+def _table(prefix_caching: bool, pool: Pool = PAGE16, content_names: bool = False) -> SequenceTable:
+    """A table as `kvpool serve` makes one: pages named serially unless KV events or a tier is on
+    (content_names: each page's chained SHA-256 hash, computed at commit)."""
+    return SequenceTable(PageAllocator(pool.num_pages, prefix_caching, content_names), pool.page_size)
 
 
 def bench_no_caching(rounds: int, pool: Pool = PAGE16) -> float:
@@ -99,10 +101,12 @@ def _run_prompt(table: SequenceTable, prompt: list[int] | np.ndarray) -> None:
     table.free("s")
 
 
-def bench_misses_then_hits(pool: Pool, prompts: list[list[int]] | list[np.ndarray]) -> tuple[float, float]:
+def bench_misses_then_hits(
+    pool: Pool, prompts: list[list[int]] | list[np.ndarray], content_names: bool = False
+) -> tuple[float, float]:
     """(pages/s, pages/s): every prompt once on an empty pool (all misses), then all again (all hits).
     The prompts must fit the pool together, so that the second pass finds every one cached."""
-    table = _table(True, pool)
+    table = _table(True, pool, content_names)
     pages = len(prompts) * (PROMPT // pool.page_size)
     rates = []
     for _ in ("misses", "hits"):
@@ -239,6 +243,9 @@ PEER_FIGURES = (  # (key, label); "_hashing": vLLM's request hasher inside the t
     ("hit", "(c) hits, vLLM pre-hashed"),
     ("hit_arrays", "    hits, kvpool int64 ids"),
     ("hit_hashing", "    hits, vLLM hashing timed"),
+    # kvpool with KV events or a tier on: pages named by SHA-256 at commit, so against vLLM hashing
+    ("miss_content", "    misses, both hashing (events)"),
+    ("hit_content", "    hits, both hashing (events)"),
 )
 
 
@@ -276,11 +283,14 @@ def _side_by_side(pool: Pool, vllm: Any, repeats: int, quick: bool) -> dict[tupl
             lambda: {"alloc": vllm.alloc_free(*geometry, PROMPT, 128, rounds)},
         ),
         (
-            lambda: dict(
-                zip(
-                    ("miss", "hit", "miss_arrays", "hit_arrays"),
-                    bench_misses_then_hits(pool, prompts) + bench_misses_then_hits(pool, prompt_arrays),
+            lambda: (
+                dict(
+                    zip(
+                        ("miss", "hit", "miss_arrays", "hit_arrays"),
+                        bench_misses_then_hits(pool, prompts) + bench_misses_then_hits(pool, prompt_arrays),
+                    )
                 )
+                | dict(zip(("miss_content", "hit_content"), bench_misses_then_hits(pool, prompts, content_names=True)))
             ),
             lambda: dict(
                 zip(
@@ -306,6 +316,7 @@ def _side_by_side(pool: Pool, vllm: Any, repeats: int, quick: bool) -> dict[tupl
     for figure in ("miss", "hit"):  # kvpool hashes inside its timing in every run; vLLM is pre-hashed
         best["kvpool", f"{figure}_hashing"] = best["kvpool", figure]
         best["vllm", f"{figure}_arrays"] = best["vllm", figure]
+        best["vllm", f"{figure}_content"] = best["vllm", f"{figure}_hashing"]
     return best
 
 

@@ -10,7 +10,14 @@ imported here, so `service.core.errors` (which the client and the wire import) l
 import functools
 import importlib
 
-LOOP_MODULES = ("service.core.page_ops", "service.core.batching", "service.core.prefix_index")
+LOOP_MODULES = (
+    "service.core.page_ops",
+    "service.core.batching",
+    "service.core.lru",
+    "service.core.probe_hash",
+    "service.core.prefix_index",
+    "service.core.token_ids",
+)
 
 
 @functools.cache  # (the build does not change while the process runs)

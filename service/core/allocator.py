@@ -2,29 +2,31 @@
 
 Every page is in exactly one of three states:
   used   ref_count > 0 (held by at least one block table)
-  cached ref_count == 0, holds a committed prefix hash, reusable on a hit, evictable (LRU order)
+  cached ref_count == 0, registered in the prefix index, reusable on a hit, evictable (LRU order)
   free   ref_count == 0, empty
 Allocation takes free pages first and evicts the least recently released cached pages only when
 no free page is left. All bulk paths are numpy operations; the per-page loops of the prefix cache
 (commit, lookup, eviction, the LRU list) are in service/core/prefix_index.py, compiled by Cython,
 each in O(1) per page.
 
-Prefix index: a committed page's identity is the chained SHA-256 hash of its parent's hash and its
-token ids (service.core.hashing). The index is keyed by that hash's preimage, the bytes parent hash ‖
-token ids, so a lookup walks a prompt's pages with exact probes: a hit costs no SHA-256 at all (the
-matched page's stored hash is the next probe's parent) and can never be fooled by a digest
-collision, since the full token ids are part of the key. SHA-256 runs once per page, at commit.
+Prefix index: a committed page is keyed by its parent's name ‖ its token ids, so a lookup walks a
+prompt's pages with exact probes: a hit computes no hash of its own (the matched page's stored name
+is the next probe's parent) and can never be fooled by a collision, since the full token ids are
+part of the key. A page's name is, with content_names, its chained SHA-256 hash
+(service.core.hashing: the same in every process, what KV events and the tiers publish and look up
+by; SHA-256 runs once per page, at commit), else a serial name unique for the pool's life (no
+hashing at all; prefix_index.py says what that changes). Listeners need content names.
 """
 
 import numpy as np
 
-from service.core import page_ops, prefix_index
+from service.core import lru, page_ops, prefix_index, probe_hash
 from service.core.cache_listener import CacheListener
 from service.core.errors import OutOfPages
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, enable_prefix_caching: bool = True, content_names: bool = False) -> None:
         if num_pages < 1:
             raise ValueError("num_pages must be >= 1")
         self.num_pages = num_pages
@@ -34,19 +36,21 @@ class PageAllocator:
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = num_pages
         self._stack = page_ops.FreeStack(self._free, self.ref_count)  # pop() and release() on those two
-        # Unreferenced pages with a committed hash, oldest release first (the eviction order): a
-        # linked list in an array (prefix_index.new_lru), O(1) per page, no Python objects.
-        self._lru = prefix_index.new_lru(num_pages)
+        # Unreferenced registered pages, oldest release first (the eviction order): a
+        # linked list in an array (service/core/lru.py), O(1) per page, no Python objects.
+        self._lru = lru.new_lru(num_pages)
         self._num_cached = 0
-        # The prefix index (prefix_index.py): pages keyed by parent hash ‖ token bytes, the
-        # SHA-256 preimage of their hash; the keys array comes with the first commit.
+        # The prefix index (prefix_index.py): pages keyed by parent name ‖ token bytes; the keys
+        # array comes with the first commit.
         self._table, self._key_hash, self._hashes, self._is_hashed = prefix_index.new_index(num_pages)
         self._keys: np.ndarray | None = None
-        self._seed: np.ndarray | None = None  # the probe hash's secret key (prefix_index.new_seed)
+        self._seed: np.ndarray | None = None  # the probe hash's secret key (probe_hash.new_seed)
+        self.content_names = content_names
+        self._namer = None if content_names else prefix_index.new_namer()
         self._index = self._index_arrays()  # the compiled calls over all of these
         self.num_evictions = 0
-        # Watchers of the prefix cache (KV events, lower tiers): told of every page that enters or
-        # leaves the index. Empty by default, and then it costs one truth test per commit/eviction.
+        # Watchers of the prefix cache (KV events, lower tiers; add_listener): told of every page that
+        # enters or leaves the index. Empty by default, and then it costs one truth test per commit/eviction.
         self.listeners: list[CacheListener] = []
 
     # -- counts -------------------------------------------------------------------------------
@@ -100,7 +104,7 @@ class PageAllocator:
 
     def _index_arrays(self) -> prefix_index.IndexArrays:
         arrays = (self._table, self._key_hash, self._hashes, self._is_hashed, self._lru, self.ref_count)
-        return prefix_index.IndexArrays(*arrays, self._keys, self._seed)
+        return prefix_index.IndexArrays(*arrays, self._keys, self._seed, self._namer)
 
     def _evict(self, num: int) -> None:
         evicted = np.asarray(self._index.evict(num), dtype=np.int64)
@@ -111,7 +115,7 @@ class PageAllocator:
         self.num_evictions += num
 
     def _tell_removed(self, pages: np.ndarray) -> None:
-        # An evicted page's hash and key stay in their arrays until the page is committed again.
+        # An evicted page's name and key stay in their arrays until the page is committed again.
         hashes, keys = self._hashes[pages], self._keys[pages]  # type: ignore[index]
         for listener in self.listeners:
             listener.removed(pages, hashes, keys)
@@ -148,7 +152,7 @@ class PageAllocator:
     # -- prefix cache -------------------------------------------------------------------------
     def match(self, parent: bytes, data: bytes, page_nbytes: int) -> tuple[list[int], bytes]:
         """Committed pages matching the leading full pages of `data` (token bytes), chained from
-        `parent`; stops at the first miss. Returns (pages, hash of the last matched page or parent)."""
+        `parent`; stops at the first miss. Returns (pages, name of the last matched page or parent)."""
         return self._index.match(parent, data, page_nbytes)
 
     def acquire_cached(self, pages: list[int], out: np.ndarray | None = None) -> None:
@@ -166,7 +170,7 @@ class PageAllocator:
             return
         self._keys = np.empty((self.num_pages, 32 + page_nbytes), dtype=np.uint8)
         self._keys.fill(0)
-        self._seed = prefix_index.new_seed(32 + page_nbytes)
+        self._seed = probe_hash.new_seed(32 + page_nbytes)
         self._index = self._index_arrays()
 
     def commit(
@@ -177,10 +181,10 @@ class PageAllocator:
         page_nbytes: int,
         at_root: bool = False,
     ) -> bytes:
-        """Register full, written pages (whose token bytes are `data`) under their chained hashes.
+        """Register full, written pages (whose token bytes are `data`), each keyed by its parent's name.
 
         A key already present keeps its page (another sequence committed the same content first);
-        a page already registered keeps its entry. Returns the hash of the last page. at_root:
+        a page already registered keeps its entry. Returns the name of the last page. at_root:
         pages[0] is its sequence's first page (`parent` is a chain root), for the listeners.
         """
         if self._keys is None:
@@ -244,8 +248,16 @@ class PageAllocator:
 
     def cached_pages(self) -> list[int]:
         """Cached pages, next to be evicted first."""
-        return prefix_index.lru_pages(self._lru)
+        return lru.lru_pages(self._lru)
 
-    def page_hash(self, page: int) -> bytes | None:
-        """The chained SHA-256 hash a committed page is registered under (None if unhashed)."""
+    def page_name(self, page: int) -> bytes | None:
+        """The name a committed page is registered under (None if it is not): with content_names, its
+        chained SHA-256 hash."""
         return self._hashes[page].tobytes() if self._is_hashed[page] else None
+
+    def add_listener(self, listener: CacheListener) -> None:
+        """Tell `listener` of every page entering and leaving the index from now on. Listeners get
+        pages by their hashes, so the allocator must have been made with content_names."""
+        if not self.content_names:
+            raise ValueError("cache listeners need an allocator with content_names=True (pages named by their hash)")
+        self.listeners.append(listener)

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from service.core import prefix_index
+from service.core import token_ids as _token_ids
 
 # Sequences keep their token ids in array("q") (native int64) and hash their raw bytes, which equal
 # the little-endian bytes above only on a little-endian machine (x86-64, arm64: every GPU host).
@@ -29,7 +29,7 @@ def root_hash(tenant: str, cache_salt: str = "") -> bytes:
 def token_bytes(token_ids: list[int] | np.ndarray, start: int = 0, stop: int = -1) -> bytes:
     """token_ids[start:stop] (stop -1: to the end) as little-endian int64 bytes (what page hashes
     and the prefix index are over); OverflowError for an id outside int64."""
-    return prefix_index.int64_bytes(token_ids, start, stop)  # compiled: faster than struct.pack or numpy
+    return _token_ids.int64_bytes(token_ids, start, stop)  # compiled: faster than struct.pack or numpy
 
 
 def page_hash(parent: bytes, page_tokens: bytes) -> bytes:

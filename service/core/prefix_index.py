@@ -1,15 +1,25 @@
 # mypy: disable-error-code="valid-type,index"
 # (mypy reads page_t, a Cython fused type, as a variable, not a type.)
-"""The per-page loops of the prefix cache: commit (chained SHA-256 + registration), match, evict,
-the LRU list, and the int64 conversion of token ids.
+"""The per-page loops of the prefix cache: commit (naming + registration), match, evict, the LRU list.
 
 This file is the one definition: setup.py compiles it with Cython (pure-Python mode), and it runs
 unchanged as plain Python where it is not built. SHA-256 is OpenSSL's (called directly when
 compiled, through hashlib otherwise); the probe hash is probe_hash() below, a keyed NH hash.
 
-The index is an open-addressing hash table of page ids, keyed by each registered page's SHA-256
-preimage, parent hash || the page's token bytes, so a probe compares the token ids exactly and a
-hit computes no SHA-256. Its arrays (new_index() below):
+The index is an open-addressing hash table of page ids, keyed by parent name || the page's token
+bytes, so a probe compares the token ids exactly. A registered page's name (32 bytes) is what its
+children's keys start with; a first page's parent name is its chain root (service.core.hashing).
+Names are given in one of two ways, fixed for an index's life:
+  content  SHA-256 of the key (namer None): the chained page hash of service.core.hashing, the same
+           in every process, which KV events and the tiers publish and look up by;
+  serial   a fixed 24-byte tag || a 64-bit count of the index's registrations (new_namer()):
+           unique for the index's life, so a key still names its whole prefix exactly (a parent's
+           name belongs to one registration, never reused), at no hashing cost. A prefix whose parent
+           page was evicted becomes unreachable (its key names a registration that is gone), where
+           content names would reconnect it when the parent is registered again; callers release
+           tails first, so tails are evicted before their parents and this is rare.
+A hit computes no SHA-256 either way: a matched page's stored name is the next probe's parent.
+Its arrays (new_index() below):
   table     int32 [capacity]: page id or -1; capacity a power of two >= 2 * num_pages; linear
             probing, deletion by backward shift;
   keys      uint8 [num_pages, 32 + page_nbytes]: each registered page's key (None until the first
@@ -18,19 +28,24 @@ hit computes no SHA-256. Its arrays (new_index() below):
             so crafted prompts cannot be made to share a probe run; a quarter of the cost of
             CPython's SipHash over 2 KiB keys, and computed straight from the token bytes: a
             probe builds no key object;
-  hashes    uint8 [num_pages, 32]: each registered page's hash, sha256(key);
+  hashes    uint8 [num_pages, 32]: each registered page's name (content: sha256(key));
   is_hashed bool [num_pages]: the page is registered.
-The LRU of cached pages (registered, unreferenced) is a linked list in an array (new_lru()).
+The LRU of cached pages (registered, unreferenced) is a linked list in an array (service/core/lru.py).
 Nothing here keeps Python objects per page, and nothing is for the garbage collector to track.
 """
 
 import hashlib
-import os
-from collections.abc import Sequence
 from typing import Optional
 
 import cython
 import numpy as np
+
+if cython.compiled:  # called from C through lru.pxd and probe_hash.pxd
+    from cython.cimports.service.core.lru import acquire, check_lru, lru_push
+    from cython.cimports.service.core.probe_hash import check_seed, nh
+else:
+    from service.core.lru import acquire, check_lru, lru_push
+    from service.core.probe_hash import check_seed, probe_hash  # (nh: compiled branches only)
 
 COMPILED: bool = cython.compiled  # True in the build setup.py compiles, False run as plain Python
 
@@ -38,9 +53,6 @@ DIGEST = cython.declare(cython.Py_ssize_t, 32)  # bytes of a SHA-256 digest
 # A page id as a block table holds it (uint32) or as the allocator hands it out (int64): commit()
 # takes either, picking the specialisation by itemsize (as page_ops does).
 page_t = cython.fused_type(cython.uint, cython.longlong)
-# murmur3's 64-bit finaliser constants (probe_hash)
-MIX1 = cython.declare(cython.ulonglong, 0xFF51AFD7ED558CCD)
-MIX2 = cython.declare(cython.ulonglong, 0xC4CEB9FE1A85EC53)
 SHA256_IMPL = "openssl" if cython.compiled else "hashlib"  # both are OpenSSL's SHA-256
 
 
@@ -55,64 +67,13 @@ def new_index(num_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     )
 
 
-def new_seed(key_len: int) -> np.ndarray:
-    """A random key for probe_hash() over keys of key_len bytes (a multiple of 8, at least 40):
-    uint32 [key_len // 4 + 2], from os.urandom. Each index draws its own."""
-    if key_len < DIGEST + 8 or key_len % 8:
-        raise ValueError("key_len must be a multiple of 8, at least 40")
-    return np.frombuffer(os.urandom(key_len + 8), dtype=np.uint32).copy()
+SERIAL_TAG = b"kvpool serial page name\x00"  # 24 bytes: no SHA-256 digest (a chain root) starts so
 
 
-@cython.boundscheck(False)  # the seed is checked to cover the key (_check_seed)
-@cython.wraparound(False)
-def probe_hash(seed: cython.const_uint[::1], parent: bytes, page: bytes) -> cython.longlong:
-    """The probe hash of the key parent || page (32 + len(page) bytes): NH (UMAC's universal hash:
-    the sum over 32-bit word pairs of (w[2j] + s[2j]) * (w[2j+1] + s[2j+1]), mod 2**64) under the
-    secret seed, then murmur3's 64-bit finaliser. Keys are compared in full on every probe, so the
-    hash only places them; its seed keeps crafted prompts from piling into one probe run."""
-    _check_seed(seed, DIGEST + len(page))
-    if len(parent) != DIGEST or len(page) % 8:
-        raise ValueError("parent must be a 32-byte hash, page whole int64 token ids")
-    if cython.compiled:
-        pp: cython.p_const_uchar = parent
-        dp: cython.p_const_uchar = page
-        return _nh(cython.address(seed[0]), pp, dp, len(page))
-    words = np.frombuffer(parent + page, dtype="<u4").astype(np.uint64)
-    x = (words + seed[: len(words)]) & 0xFFFFFFFF
-    acc = int((x[0::2] * x[1::2]).sum(dtype=np.uint64))  # (numpy sums unsigned ints modulo 2**64)
-    acc ^= int(seed[len(words)]) | int(seed[len(words) + 1]) << 32
-    for mul in (MIX1, MIX2):
-        acc = ((acc ^ (acc >> 33)) * mul) & 0xFFFFFFFFFFFFFFFF
-    acc ^= acc >> 33
-    return acc - (1 << 64) if acc >> 63 else acc  # as an int64
-
-
-@cython.cfunc
-@cython.inline
-@cython.boundscheck(False)  # callers check that the seed covers 32 + n bytes, n a multiple of 8
-@cython.wraparound(False)
-def _nh(
-    seed: cython.p_const_uint, parent: cython.p_const_uchar, page: cython.p_const_uchar, n: cython.Py_ssize_t
-) -> cython.longlong:
-    """probe_hash() of parent || page[:n], compiled (the loops vectorise)."""
-    acc: cython.ulonglong = 0
-    w: cython.p_const_uint = cython.cast(cython.p_const_uint, parent)
-    j: cython.Py_ssize_t
-    for j in range(0, DIGEST // 4, 2):
-        acc += cython.cast(cython.ulonglong, cython.cast(cython.uint, w[j] + seed[j])) * cython.cast(
-            cython.uint, w[j + 1] + seed[j + 1]
-        )
-    w = cython.cast(cython.p_const_uint, page)
-    s: cython.p_const_uint = seed + DIGEST // 4
-    for j in range(0, n // 4, 2):
-        acc += cython.cast(cython.ulonglong, cython.cast(cython.uint, w[j] + s[j])) * cython.cast(
-            cython.uint, w[j + 1] + s[j + 1]
-        )
-    s = s + n // 4
-    acc ^= cython.cast(cython.ulonglong, s[0]) | (cython.cast(cython.ulonglong, s[1]) << 32)
-    acc = (acc ^ (acc >> 33)) * MIX1
-    acc = (acc ^ (acc >> 33)) * MIX2
-    return cython.cast(cython.longlong, acc ^ (acc >> 33))
+def new_namer() -> np.ndarray:
+    """The state of serial names: uint8 [32], SERIAL_TAG then the count of names given (uint64,
+    little-endian). Names are deterministic, so two indexes given the same commits name alike."""
+    return np.frombuffer(SERIAL_TAG + bytes(8), dtype=np.uint8).copy()
 
 
 @cython.cfunc
@@ -195,12 +156,6 @@ def _check_index(
         raise ValueError("keys, key_hash and hashes disagree on the number of pages")
 
 
-@cython.cfunc
-def _check_seed(seed: cython.const_uint[::1], key_len: cython.Py_ssize_t) -> None:
-    if len(seed) < key_len // 4 + 2:
-        raise ValueError("the seed is too short for these keys")
-
-
 @cython.ccall
 @cython.boundscheck(False)
 @cython.wraparound(False)
@@ -215,24 +170,28 @@ def commit(
     parent: bytes,
     data: bytes | memoryview,
     page_nbytes: cython.Py_ssize_t,
+    namer: Optional[cython.uchar[::1]] = None,  # noqa: UP045
 ) -> bytes:
-    """Hash pages[i] (token bytes data[i*page_nbytes:(i+1)*page_nbytes]) after its predecessor and
+    """Name pages[i] (token bytes data[i*page_nbytes:(i+1)*page_nbytes]) after its predecessor and
     register it unless it is registered already or another page holds its key (the first committer
-    keeps a key). Returns the hash of the last page. A key found registered computes no SHA-256: its
-    page's stored hash is the same digest (a prompt that hit the cache commits its last page so).
+    keeps a key). Returns the name of the last page. A key found registered names nothing new: its
+    page's stored name is the one (a prompt that hit the cache commits its last page so). namer:
+    new_namer()'s array for serial names, None for content names (SHA-256 of each key).
     pages: C-contiguous int64, or uint32 (a slice of a block-table row)."""
     raw: bytes = _check(parent, data, page_nbytes)
     _check_index(table, keys, key_hash, hashes)
     if keys.shape[1] != DIGEST + page_nbytes or len(is_hashed) != len(key_hash):
         raise ValueError("keys or is_hashed do not fit the pages")
-    _check_seed(seed, keys.shape[1])
+    check_seed(seed, keys.shape[1])
     if len(pages) > len(raw) // page_nbytes:
         raise ValueError("more pages than data")
+    if namer is not None and len(namer) != DIGEST:
+        raise ValueError("namer must be new_namer()'s 32 bytes")
     if pages.itemsize == 4:
         pages32: cython.uint[::1] = pages
-        return _commit(table, keys, key_hash, hashes, is_hashed, seed, pages32, parent, raw, page_nbytes)
+        return _commit(table, keys, key_hash, hashes, is_hashed, seed, pages32, parent, raw, page_nbytes, namer)
     pages64: cython.longlong[::1] = pages
-    return _commit(table, keys, key_hash, hashes, is_hashed, seed, pages64, parent, raw, page_nbytes)
+    return _commit(table, keys, key_hash, hashes, is_hashed, seed, pages64, parent, raw, page_nbytes, namer)
 
 
 @cython.cfunc
@@ -249,6 +208,7 @@ def _commit(
     parent: bytes,
     raw: bytes,
     page_nbytes: cython.Py_ssize_t,
+    namer: Optional[cython.uchar[::1]],  # noqa: UP045
 ) -> bytes:
     i: cython.Py_ssize_t
     for i in range(len(pages)):
@@ -261,17 +221,33 @@ def _commit(
         page = pages[i]
         h = _key_hash(seed, parent, raw, i * page_nbytes, page_nbytes)
         slot = _find(table, keys, key_hash, parent, raw, i * page_nbytes, h)
-        if table[slot] >= 0:  # the key is registered (a taken key stays with its page): its hash is known
+        if table[slot] >= 0:  # the key is registered (a taken key stays with its page): its name is known
             parent = _row_bytes(hashes, table[slot])
             continue
-        digest = _sha256(parent, raw, i * page_nbytes, page_nbytes)
+        # (A page registered under another key keeps it; the name made here is then stored nowhere,
+        # and with serial names what chains from it is unreachable: never wrong, only not found.)
+        name = _sha256(parent, raw, i * page_nbytes, page_nbytes) if namer is None else _next_name(namer)
         if not is_hashed[page]:
             table[slot] = page
-            _store(keys, hashes, page, parent, digest, raw, i * page_nbytes, page_nbytes)
+            _store(keys, hashes, page, parent, name, raw, i * page_nbytes, page_nbytes)
             key_hash[page] = h
             is_hashed[page] = True
-        parent = digest
+        parent = name
     return parent
+
+
+@cython.cfunc
+@cython.boundscheck(False)  # commit() checked that the namer has 32 bytes
+@cython.wraparound(False)
+def _next_name(namer: cython.uchar[::1]) -> bytes:
+    """The next serial name: count one more in namer[24:] and return all 32 bytes."""
+    if cython.compiled:
+        count: cython.p_ulonglong = cython.cast(cython.p_ulonglong, cython.address(namer[DIGEST - 8]))
+        count[0] += 1  # (x86-64 and arm64 are little-endian, as hashing.py requires)
+        return cython.cast(cython.p_char, cython.address(namer[0]))[:DIGEST]
+    count_bytes = (int.from_bytes(bytes(namer[DIGEST - 8 :]), "little") + 1).to_bytes(8, "little")
+    namer[DIGEST - 8 :] = np.frombuffer(count_bytes, dtype=np.uint8)
+    return bytes(namer)
 
 
 @cython.ccall
@@ -288,7 +264,7 @@ def match(
     page_nbytes: cython.Py_ssize_t,
 ) -> tuple[list[int], bytes]:
     """Registered pages matching the leading pages of `data`, chained from `parent`; stops at the
-    first miss. Returns (pages, hash of the last matched page, or `parent`)."""
+    first miss. Returns (pages, name of the last matched page, or `parent`)."""
     raw: bytes = _check(parent, data, page_nbytes)
     pages: list = []
     if keys is None:
@@ -296,7 +272,7 @@ def match(
     _check_index(table, keys, key_hash, hashes)
     if keys.shape[1] != DIGEST + page_nbytes:
         raise ValueError("keys do not fit the pages")
-    _check_seed(seed, keys.shape[1])
+    check_seed(seed, keys.shape[1])
     i: cython.Py_ssize_t
     h: cython.longlong
     page: cython.int
@@ -306,7 +282,7 @@ def match(
         if page < 0:
             break
         pages.append(page)
-        parent = _row_bytes(hashes, page)  # the next parent: the matched page's hash
+        parent = _row_bytes(hashes, page)  # the next parent: the matched page's name
     return pages, parent
 
 
@@ -319,7 +295,7 @@ def _key_hash(
     if cython.compiled:
         pp: cython.p_const_uchar = parent
         dp: cython.p_const_uchar = data
-        return _nh(cython.address(seed[0]), pp, dp + offset, n)
+        return nh(cython.address(seed[0]), pp, dp + offset, n)
     return probe_hash(seed, parent, data[offset : offset + n])
 
 
@@ -343,22 +319,22 @@ def _store(
     hashes: cython.uchar[:, ::1],
     page: cython.longlong,
     parent: bytes,
-    digest: bytes,
+    name: bytes,
     data: bytes,
     offset: cython.Py_ssize_t,
     n: cython.Py_ssize_t,
 ) -> None:
-    """keys[page] = parent || data[offset:offset + n]; hashes[page] = digest."""
+    """keys[page] = parent || data[offset:offset + n]; hashes[page] = name."""
     if cython.compiled:
         pp: cython.p_const_uchar = parent
         dp: cython.p_const_uchar = data
-        hp: cython.p_const_uchar = digest
+        hp: cython.p_const_uchar = name
         memcpy(cython.address(keys[page, 0]), pp, DIGEST)  # type: ignore[name-defined]  # noqa: F821
         memcpy(cython.address(keys[page, DIGEST]), dp + offset, n)  # type: ignore[name-defined]  # noqa: F821
         memcpy(cython.address(hashes[page, 0]), hp, DIGEST)  # type: ignore[name-defined]  # noqa: F821
         return
     keys[page] = np.frombuffer(parent + data[offset : offset + n], dtype=np.uint8)
-    hashes[page] = np.frombuffer(digest, dtype=np.uint8)
+    hashes[page] = np.frombuffer(name, dtype=np.uint8)
 
 
 @cython.cclass
@@ -376,6 +352,7 @@ class IndexArrays:
     hashes: cython.uchar[:, ::1]
     is_hashed: cython.uchar[::1]
     seed: cython.const_uint[::1]  # None with keys
+    namer: cython.uchar[::1]  # new_namer() for serial names, None for content names
     lru: cython.int[:, ::1]
     ref_count: cython.int[::1]
     _arrays: tuple  # as given
@@ -390,10 +367,11 @@ class IndexArrays:
         ref_count: np.ndarray,
         keys: Optional[np.ndarray],  # noqa: UP045
         seed: Optional[np.ndarray],  # noqa: UP045
+        namer: Optional[np.ndarray],  # noqa: UP045
     ) -> None:
         self.table, self.key_hash, self.hashes, self.is_hashed = table, key_hash, hashes, is_hashed
-        self.lru, self.ref_count, self.keys, self.seed = lru, ref_count, keys, seed
-        self._arrays = (table, key_hash, hashes, is_hashed, lru, ref_count, keys, seed)
+        self.lru, self.ref_count, self.keys, self.seed, self.namer = lru, ref_count, keys, seed, namer
+        self._arrays = (table, key_hash, hashes, is_hashed, lru, ref_count, keys, seed, namer)
 
     def __reduce__(self) -> tuple:
         # copy.deepcopy of an allocator: the copy's IndexArrays views the copy's arrays (deepcopy's memo).
@@ -408,7 +386,9 @@ class IndexArrays:
     ) -> bytes:
         """commit() over these arrays."""
         t = self
-        return commit(t.table, t.keys, t.key_hash, t.hashes, t.is_hashed, t.seed, pages, parent, data, page_nbytes)
+        return commit(
+            t.table, t.keys, t.key_hash, t.hashes, t.is_hashed, t.seed, pages, parent, data, page_nbytes, t.namer
+        )
 
     def acquire(self, pages: list, out: Optional[cython.uint[::1]]) -> cython.Py_ssize_t:  # noqa: UP045
         """acquire() over these arrays."""
@@ -421,93 +401,6 @@ class IndexArrays:
     def evict(self, num: cython.Py_ssize_t) -> list[int]:
         """evict() over these arrays."""
         return evict(self.lru, self.table, self.key_hash, self.is_hashed, num)
-
-
-def new_lru(num_pages: int) -> np.ndarray:
-    """An empty LRU list: int32 [num_pages + 1, 2] of (previous, next) links; row num_pages is the
-    head, whose next is the oldest page and whose previous is the newest."""
-    lru = np.zeros((num_pages + 1, 2), dtype=np.int32)
-    lru[num_pages] = num_pages
-    return lru
-
-
-def lru_pages(lru: np.ndarray) -> list[int]:
-    """The pages in the list, oldest first."""
-    head = len(lru) - 1
-    pages, page = [], int(lru[head, 1])
-    while page != head:
-        pages.append(page)
-        page = int(lru[page, 1])
-    return pages
-
-
-@cython.ccall
-@cython.boundscheck(False)  # the pages are checked to be < head, and every link in the list is
-@cython.wraparound(False)
-def lru_push(lru: cython.int[:, ::1], pages: cython.const_longlong[::1]) -> None:
-    """Append `pages` (not in the list) as the newest, in order."""
-    head: cython.Py_ssize_t = _check_lru(lru)
-    _check_pages(pages, head)
-    i: cython.Py_ssize_t
-    newest: cython.int
-    for i in range(len(pages)):
-        newest = lru[head, 0]
-        lru[newest, 1] = pages[i]
-        lru[pages[i], 0] = newest
-        lru[pages[i], 1] = head
-        lru[head, 0] = pages[i]
-
-
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def lru_remove(lru: cython.int[:, ::1], pages: cython.const_longlong[::1]) -> None:
-    """Unlink `pages` (all in the list)."""
-    _check_pages(pages, _check_lru(lru))
-    i: cython.Py_ssize_t
-    before: cython.int
-    after: cython.int
-    for i in range(len(pages)):
-        before, after = lru[pages[i], 0], lru[pages[i], 1]
-        lru[before, 1] = after
-        lru[after, 0] = before
-
-
-@cython.ccall
-@cython.boundscheck(False)  # every page is checked against the list's head and ref_count
-@cython.wraparound(False)
-def acquire(
-    lru: cython.int[:, ::1],
-    ref_count: cython.int[::1],
-    pages: list,
-    out: Optional[cython.uint[::1]],  # noqa: UP045 (cython types have no `|` in plain Python)
-) -> cython.Py_ssize_t:
-    """One more reference to each of `pages` (distinct, registered), and the cached ones (no
-    reference before) unlinked from the LRU; with `out`, also written to out[:len(pages)] (a
-    block-table row). Returns how many were cached."""
-    head: cython.Py_ssize_t = _check_lru(lru)
-    n: cython.Py_ssize_t = len(pages)
-    if out is not None and len(out) < n:
-        raise ValueError("out is shorter than pages")
-    i: cython.Py_ssize_t
-    page: cython.Py_ssize_t
-    for i in range(n):
-        page = pages[i]
-        if not (0 <= page < head and page < len(ref_count)):
-            raise IndexError("page out of range")
-    num: cython.Py_ssize_t = 0
-    before: cython.int
-    after: cython.int
-    for i in range(n):
-        page = pages[i]
-        if ref_count[page] == 0:
-            before, after = lru[page, 0], lru[page, 1]
-            lru[before, 1] = after
-            lru[after, 0] = before
-            num += 1
-        ref_count[page] += 1
-        if out is not None:
-            out[i] = page
-    return num
 
 
 @cython.ccall
@@ -524,7 +417,7 @@ def evict(
     oldest first. The caller checks that `num` pages are cached."""
     if num < 0:
         raise ValueError("num must be >= 0")
-    head: cython.Py_ssize_t = _check_lru(lru)
+    head: cython.Py_ssize_t = check_lru(lru)
     if len(key_hash) != head or len(is_hashed) != head or len(table) <= head or len(table) & (len(table) - 1):
         raise ValueError("lru, table, key_hash and is_hashed disagree on the number of pages")
     mask: cython.Py_ssize_t = len(table) - 1
@@ -547,68 +440,6 @@ def evict(
         is_hashed[page] = False
         pages.append(page)
     return pages
-
-
-@cython.cfunc
-def _check_lru(lru: cython.int[:, ::1]) -> cython.Py_ssize_t:
-    """The head of the list: its last row."""
-    if lru.shape[0] < 1 or lru.shape[1] != 2:
-        raise ValueError("lru must be an int32 array of shape [num_pages + 1, 2]")
-    return lru.shape[0] - 1
-
-
-@cython.cfunc
-def _check_pages(pages: cython.const_longlong[::1], num_pages: cython.Py_ssize_t) -> None:
-    i: cython.Py_ssize_t
-    for i in range(len(pages)):
-        if not 0 <= pages[i] < num_pages:
-            raise IndexError("page out of range")
-
-
-@cython.boundscheck(False)  # i < n == len(out)
-@cython.wraparound(False)
-def int64_bytes(token_ids: Sequence[int], start: cython.Py_ssize_t = 0, stop: cython.Py_ssize_t = -1) -> bytes:
-    """token_ids[start:stop] (stop -1: to the end; clipped like a slice) as little-endian int64 bytes
-    (what page hashes and the prefix index are over): TypeError for an id that is not an int,
-    OverflowError for one outside int64. A list is read in place, without a slice; a 1-D numpy
-    integer array (what an engine holding its token ids in numpy passes) is copied as a block."""
-    n: cython.Py_ssize_t = len(token_ids)
-    stop = n if stop < 0 or stop > n else stop
-    start = min(max(start, 0), stop)
-    if isinstance(token_ids, np.ndarray):
-        return _array_bytes(token_ids[start:stop])
-    out = bytes(8 * (stop - start))  # new and unshared: filled here, then handed out
-    i: cython.Py_ssize_t
-    if not cython.compiled:
-        ids = token_ids[start:stop]
-        for token in ids:
-            if not isinstance(token, int):
-                raise TypeError(f"token ids must be ints, not {type(token).__name__}")
-        return np.array(ids, dtype=np.int64).tobytes() if ids else out  # OverflowError outside int64
-    op: cython.p_longlong = cython.cast(cython.p_longlong, cython.cast(cython.p_char, out))
-    if type(token_ids) is list:
-        ids_list: list = token_ids
-        for i in range(start, stop):
-            token = ids_list[i]
-            if not isinstance(token, int):
-                raise TypeError(f"token ids must be ints, not {type(token).__name__}")
-            op[i - start] = token  # OverflowError outside int64
-        return out
-    for i in range(start, stop):
-        token = token_ids[i]
-        if not isinstance(token, int):
-            raise TypeError(f"token ids must be ints, not {type(token).__name__}")
-        op[i - start] = token
-    return out
-
-
-def _array_bytes(ids: np.ndarray) -> bytes:
-    """A 1-D integer array as int64 bytes; TypeError for another dtype, OverflowError outside int64."""
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise TypeError(f"token ids must be a 1-D integer array, not {ids.ndim}-D {ids.dtype}")
-    if ids.dtype.kind == "u" and ids.itemsize == 8 and len(ids) and int(ids.max()) >= 1 << 63:
-        raise OverflowError("a token id is outside int64")
-    return ids.astype("<i8", copy=False).tobytes()
 
 
 @cython.cfunc

@@ -28,7 +28,7 @@ class Prefixes:
         self._roots: dict[str, bytes] = {}
 
     def match(self, token_ids: TokenIds, tenant: str, cache_salt: str = "") -> tuple[list[int], bytes, "array[int]"]:
-        """(cached pages starting the prompt, the hash of the last one, the token ids they hold as
+        """(cached pages starting the prompt, the name of the last one, the token ids they hold as
         int64); a hit never covers the last prompt token. The root hash is salted by the tenant and
         the cache salt; tenants' roots are memoised, salts (one per request, typically) are not."""
         if cache_salt:
@@ -110,7 +110,7 @@ class Prefixes:
         pages = self.blocks.tables[row, start:num_full]  # (uint32: the allocator takes a row's slice as it is)
         # A view, not a copy; released at once, since an array exporting a buffer cannot grow.
         with memoryview(seq.tokens) as ids, ids.cast("B") as data:
-            seq.last_hash = self.allocator.commit(
-                pages, seq.last_hash, data[start * size * 8 : num_full * size * 8], size * 8, start == 0
+            seq.last_name = self.allocator.commit(
+                pages, seq.last_name, data[start * size * 8 : num_full * size * 8], size * 8, start == 0
             )
         self.blocks.num_hashed[row] = num_full

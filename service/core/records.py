@@ -18,7 +18,7 @@ class Sequence:
     # Token ids so far as int64 (converted once, on arrival); None once an append came without
     # token ids: the sequence's later pages are never hashed.
     tokens: "array[int] | None"
-    last_hash: bytes  # hash of the last hashed page (the tenant root before the first)
+    last_name: bytes  # name of the last committed page (the chain root before the first)
     cached_tokens: int = 0
     ttl_s: float = 0.0
     expires_at: float = 0.0

@@ -136,9 +136,9 @@ class SequenceTable:
         if not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise InvalidRequest(f"ttl_s must be a finite number >= 0, not {ttl_s}")
         seq_id = self.registry.new_id(seq_id, tenant)
-        hits, last_hash, tokens = self.prefixes.match([] if token_ids is None else token_ids, tenant, cache_salt)
+        hits, last_name, tokens = self.prefixes.match([] if token_ids is None else token_ids, tenant, cache_salt)
         num_cached = len(hits) * self.page_size
-        seq = Sequence(seq_id, tenant, -1, tokens, last_hash, num_cached, ttl_s, self.clock() + ttl_s)
+        seq = Sequence(seq_id, tenant, -1, tokens, last_name, num_cached, ttl_s, self.clock() + ttl_s)
         self.apply(self.check(plan_new(NewRow(seq, hits, True, num_cached, len(hits), True))))
         if token_ids is not None and len(token_ids):
             self.stats.prefix_query_tokens += len(token_ids)
@@ -154,7 +154,7 @@ class SequenceTable:
         tokens = parent.tokens[:] if parent.tokens is not None else None
         # The lease is inherited (get() above just renewed the parent's).
         child = Sequence(
-            child_id, tenant, -1, tokens, parent.last_hash, parent.cached_tokens, parent.ttl_s, parent.expires_at
+            child_id, tenant, -1, tokens, parent.last_name, parent.cached_tokens, parent.ttl_s, parent.expires_at
         )
         pages = b.tables[src, :num].astype(np.int64)
         change = NewRow(child, pages, False, int(b.lengths[src]), int(b.num_hashed[src]), bool(b.tokens_known[src]))

@@ -164,5 +164,5 @@ def start_publishing(
     publisher = EventPublisher(
         EventMaker(page_size, medium, hash_format), endpoint, replay_endpoint, topic, buffer_size, queue_size
     )
-    allocator.listeners.append(EventListener(publisher.put))
+    allocator.add_listener(EventListener(publisher.put))
     return publisher

@@ -25,7 +25,10 @@ class PoolState:
         self.settings = settings
         self.instance_id = uuid.uuid4().hex
         self.storage = Storage(settings, self.instance_id)
-        self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching)
+        # KV events and the tiers name pages by their chained SHA-256 hash; without them, serial names
+        # spare every miss its hashing (service/core/prefix_index.py).
+        content_names = bool(settings.kv_events_endpoint) or settings.spill != "none" or bool(settings.remote_url)
+        self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching, content_names)
         self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)
         self.ipc_socket: FdServer | None = None  # memfd pools: where frontends get the descriptors

@@ -60,7 +60,7 @@ class Tiers:
         # node's tier tells what lands in it and what it drops. The remote tier tells nothing: it is
         # shared by the nodes, so no node's stream can say what it holds.
         self.events: Any = None
-        self.allocator.listeners.append(self)
+        self.allocator.add_listener(self)
 
     def report(self) -> list[dict[str, Any]]:
         """Each tier's size, use and counts: GET /v1/pool shows them, the metrics export them."""

@@ -72,7 +72,7 @@ class SharedTier:
                     self.stats.skipped += len(batch)
                     continue
                 # Pages evicted since their commit (and maybe rewritten) are no longer those pages.
-                live = [b for b in batch if self.allocator.page_hash(b[0]) == b[1]]
+                live = [b for b in batch if self.allocator.page_name(b[0]) == b[1]]
                 if not live:
                     continue
                 pages, hashes, tokens = [b[0] for b in live], [b[1] for b in live], [b[2] for b in live]

@@ -18,7 +18,15 @@ import service.core
 CALLED = {
     "page_ops": ("pop", "release", "page_slots", "FreeStack"),
     "batching": ("unzip_appends", "decode_plan", "decode_apply"),
-    "prefix_index": ("commit", "match", "acquire", "evict", "lru_push", "lru_remove", "int64_bytes", "IndexArrays"),
+    "lru": ("acquire", "lru_push", "lru_remove"),
+    "probe_hash": ("probe_hash",),
+    "prefix_index": ("commit", "match", "evict", "IndexArrays"),
+    "token_ids": ("int64_bytes",),
+}
+# Names a compiled module takes from another one's C functions (cimport): its source loaded
+# uncompiled gets them from the other module's source.
+CIMPORTED = {
+    "prefix_index": (("lru", ("acquire", "check_lru", "lru_push")), ("probe_hash", ("check_seed", "probe_hash")))
 }
 
 
@@ -33,6 +41,10 @@ def load_source(name: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     assert not module.COMPILED
+    if name in CIMPORTED:
+        for other, names in CIMPORTED[name]:
+            for fn in names:
+                setattr(module, fn, getattr(load_source(other), fn))
     return module
 
 

@@ -17,9 +17,16 @@ from service.core.sequences import SequenceTable
 
 
 def make_table(
-    num_pages: int = 8, page_size: int = 4, prefix_caching: bool = True, max_pages_per_tenant: int = 0
+    num_pages: int = 8,
+    page_size: int = 4,
+    prefix_caching: bool = True,
+    max_pages_per_tenant: int = 0,
+    content_names: bool = True,
 ) -> SequenceTable:
-    return SequenceTable(PageAllocator(num_pages, prefix_caching), page_size, max_pages_per_tenant)
+    """A small table; its pages named by their chained hashes unless content_names is False, so that
+    tests can compare names with prefix_hashes()."""
+    allocator = PageAllocator(num_pages, prefix_caching, content_names)
+    return SequenceTable(allocator, page_size, max_pages_per_tenant)
 
 
 def future_pages(allocator: PageAllocator) -> list[int]:
@@ -41,7 +48,7 @@ def snapshot(table: SequenceTable, tenants: tuple[str, ...] = ("",)) -> dict[str
             table.block_table(s),
             s.cached_tokens,
             None if s.tokens is None else list(s.tokens),
-            s.last_hash,
+            s.last_name,
             table.tables[s.row].tolist(),
         )
         for s in table.sequences()
@@ -50,7 +57,7 @@ def snapshot(table: SequenceTable, tenants: tuple[str, ...] = ("",)) -> dict[str
         "counts": (a.num_used, a.num_cached, a.num_free, a.num_available, len(table)),
         "ref_count": a.ref_count.tolist(),
         "cached_pages": a.cached_pages(),
-        "hashes": [a.page_hash(p) for p in range(a.num_pages)],
+        "hashes": [a.page_name(p) for p in range(a.num_pages)],
         "evictions": a.num_evictions,
         "future_pages": future_pages(a),
         "sequences": seqs,

@@ -60,7 +60,7 @@ def test_out_of_pages_changes_nothing() -> None:
         a.allocate(5)  # 3 free + 1 cached = 4 available
     assert (err.value.needed, err.value.available, err.value.code) == (5, 4, "out_of_pages")
     assert (a.ref_count.tolist(), counts(a), a.cached_pages(), future_pages(a)) == before
-    assert a.page_hash(4) == h and a.num_evictions == 0
+    assert a.page_name(4) == h and a.num_evictions == 0
 
 
 def test_released_pages_come_back_first_given_first() -> None:
@@ -85,12 +85,12 @@ def test_shared_pages_stay_used_until_the_last_reference() -> None:
 
 
 def test_committed_pages_become_cached_on_release_and_are_found_by_their_tokens() -> None:
-    a = PageAllocator(4)
+    a = PageAllocator(4, content_names=True)
     a.allocate(2)
     h0 = commit_tokens(a, 0, [7, 8])
     h1 = commit_tokens(a, 1, [9, 10], parent=h0)
     assert h0 == page_hash(ROOT, token_bytes([7, 8])) and h1 == page_hash(h0, token_bytes([9, 10]))
-    assert a.page_hash(0) == h0 and a.page_hash(1) == h1 and a.page_hash(2) is None
+    assert a.page_name(0) == h0 and a.page_name(1) == h1 and a.page_name(2) is None
     assert counts(a) == (2, 0, 2)  # committed pages in use are still used
     assert a.release(pages(1, 0)) == 2
     assert counts(a) == (0, 2, 2)
@@ -107,7 +107,7 @@ def test_committed_pages_become_cached_on_release_and_are_found_by_their_tokens(
 
 @pytest.mark.usefixtures("colliding_digests")
 def test_a_digest_collision_is_no_hit_unless_the_tokens_are_equal() -> None:
-    a = PageAllocator(4)
+    a = PageAllocator(4, content_names=True)
     a.allocate(3)
     h = commit_tokens(a, 0, [1, 2])
     assert commit_tokens(a, 1, [3, 4], parent=h) == h  # a different page under the same hash
@@ -117,14 +117,56 @@ def test_a_digest_collision_is_no_hit_unless_the_tokens_are_equal() -> None:
     assert find(a, [[3, 4]]) == []
 
 
+def serial(count: int) -> bytes:
+    """The serial name given by an allocator's count-th registration."""
+    return b"kvpool serial page name\x00" + count.to_bytes(8, "little")
+
+
+@pytest.mark.parametrize("content_names", [False, True])
+def test_a_parent_evicted_and_registered_again_reaches_its_children_only_by_content(content_names: bool) -> None:
+    a = PageAllocator(3, content_names=content_names)
+    a.allocate(3)
+    h0 = commit_tokens(a, 0, [7, 8])
+    h1 = commit_tokens(a, 1, [9, 10], parent=h0)
+    if not content_names:
+        assert (h0, h1) == (serial(1), serial(2))
+    assert [a.page_name(p) for p in range(3)] == [h0, h1, None]
+    assert commit_tokens(a, 2, [9, 10], parent=h0) == h1  # a key already registered: its name, page 2 unnamed
+    assert find(a, [[7, 8], [9, 10], [1, 1]]) == [0, 1] and find(a, [[9, 10]]) == []
+    a.release(pages(0))
+    a.release(pages(1))  # the parent released first: evicted first
+    a.release(pages(2))  # never registered: freed
+    assert a.cached_pages() == [0, 1] and a.allocate(2).tolist() == [0, 2]  # page 0 evicted
+    assert find(a, [[7, 8], [9, 10]]) == []
+    h0_again = commit_tokens(a, 0, [7, 8])
+    assert a.cached_pages() == [1]
+    if content_names:  # the same content, the same name: page 1 is reachable again
+        assert h0_again == h0 and find(a, [[7, 8], [9, 10]]) == [0, 1]
+    else:  # a name is never given twice: page 1's key names a registration that is gone
+        assert h0_again == serial(3) and find(a, [[7, 8], [9, 10]]) == [0]
+
+
+def test_a_listener_needs_content_names() -> None:
+    class Silent:
+        def stored(self, *args: object) -> None: ...
+        def removed(self, *args: object) -> None: ...
+        def cleared(self) -> None: ...
+
+    with pytest.raises(ValueError, match="content_names"):
+        PageAllocator(4).add_listener(Silent())
+    named = PageAllocator(4, content_names=True)
+    named.add_listener(Silent())
+    assert len(named.listeners) == 1
+
+
 def test_commit_keeps_the_first_page_of_some_content_and_the_first_entry_of_a_page() -> None:
     a = PageAllocator(4)
     a.allocate(2)
     h = commit_tokens(a, 0, [1, 2])
     assert commit_tokens(a, 1, [1, 2]) == h  # same content on another page: page 0 stays the one found
-    assert find(a, [[1, 2]]) == [0] and a.page_hash(1) is None
+    assert find(a, [[1, 2]]) == [0] and a.page_name(1) is None
     commit_tokens(a, 0, [5, 6])  # page 0 is already committed: its entry stays
-    assert a.page_hash(0) == h and find(a, [[5, 6]]) == []
+    assert a.page_name(0) == h and find(a, [[5, 6]]) == []
     assert a.release(pages(1, 0)) == 2
     assert counts(a) == (0, 1, 3) and a.cached_pages() == [0]
 
@@ -143,8 +185,8 @@ def test_eviction_waits_until_no_free_page_is_left_and_takes_the_least_recently_
     assert a.num_evictions == 0 and a.cached_pages() == [2, 0, 3, 1]
     assert a.allocate(1).tolist() == [2]
     assert a.num_evictions == 1 and a.cached_pages() == [0, 3, 1]
-    assert a.page_hash(2) is None and find(a, [[2, 2]]) == []
-    assert find(a, [[0, 0]]) == [0] and a.page_hash(0) == hs[0]
+    assert a.page_name(2) is None and find(a, [[2, 2]]) == []
+    assert find(a, [[0, 0]]) == [0] and a.page_name(0) == hs[0]
     # Evicting several pages at once hands them out in an exact (deterministic) order.
     assert a.allocate(2).tolist() == [3, 0]
     assert a.num_evictions == 3 and a.cached_pages() == [1]
@@ -162,7 +204,7 @@ def test_a_hit_and_a_second_release_move_a_page_to_the_back_of_the_lru_order() -
     a.release(pages(0))
     assert a.cached_pages() == [1, 2, 0]
     assert a.allocate(1).tolist() == [1]
-    assert a.page_hash(1) is None and a.page_hash(0) is not None and a.page_hash(2) is not None
+    assert a.page_name(1) is None and a.page_name(0) is not None and a.page_name(2) is not None
 
 
 def test_mixed_eviction_and_free_pages_and_out_of_pages_with_cached_pages() -> None:

@@ -32,9 +32,9 @@ def chain(parent: bytes, pages_of_tokens: list[list[int]]) -> list[bytes]:
 
 
 def test_commit_reports_new_pages_in_runs_and_eviction_reports_keys() -> None:
-    a = PageAllocator(6)
+    a = PageAllocator(6, content_names=True)
     rec = Recorder()
-    a.listeners.append(rec)
+    a.add_listener(rec)
     tokens = [[11, 12], [13, 14], [15, 16]]
     h = chain(ROOT, tokens)
     # Page 1 already holds the second page's key: pages 0 and 2 are two runs, 1 is never registered.
@@ -56,9 +56,9 @@ def test_commit_reports_new_pages_in_runs_and_eviction_reports_keys() -> None:
 
 
 def test_no_listener_no_calls_and_same_results() -> None:
-    plain, watched = PageAllocator(4), PageAllocator(4)
+    plain, watched = PageAllocator(4, content_names=True), PageAllocator(4, content_names=True)
     rec = Recorder()
-    watched.listeners.append(rec)
+    watched.add_listener(rec)
     data = token_bytes([1, 2, 3, 4])
     for a in (plain, watched):
         a.allocate(2)
@@ -68,9 +68,9 @@ def test_no_listener_no_calls_and_same_results() -> None:
 
 
 def test_reset_drops_cached_pages_only_and_clears_when_nothing_is_left() -> None:
-    a = PageAllocator(6)
+    a = PageAllocator(6, content_names=True)
     rec = Recorder()
-    a.listeners.append(rec)
+    a.add_listener(rec)
     h = chain(ROOT, [[1, 2], [3, 4], [5, 6]])
     a.allocate(3)
     a.commit([0, 1, 2], ROOT, token_bytes([1, 2, 3, 4, 5, 6]), 8 * PAGE, at_root=True)
@@ -82,7 +82,7 @@ def test_reset_drops_cached_pages_only_and_clears_when_nothing_is_left() -> None
     assert rec.calls == [
         ("removed", [2, 1], [h[2], h[1]], [h[1] + token_bytes([5, 6]), h[0] + token_bytes([3, 4])])
     ]  # in LRU order: the tail was released first
-    assert a.page_hash(0) == h[0] and a.page_hash(1) is None
+    assert a.page_name(0) == h[0] and a.page_name(1) is None
     assert a.match(ROOT, token_bytes([1, 2, 3, 4]), 8 * PAGE) == ([0], h[0])
     rec.calls.clear()
     assert a.reset_cache() == 0 and rec.calls == []

@@ -1,6 +1,7 @@
 """The compiled core is the one built from its .py files, and agrees with them run as plain Python.
 
-setup.py compiles service/core/page_ops.py, batching.py and prefix_index.py with Cython (a source tree
+setup.py compiles service/core/page_ops.py, batching.py, lru.py, probe_hash.py, prefix_index.py and
+token_ids.py with Cython (a source tree
 gets the build with `python setup.py build_ext --inplace`, an install with `pip install -e .`). Here
 the same random calls go to the compiled build and to the source loaded uncompiled; results, errors
 and every array afterwards must be the same. (The prefix index's program: test_prefix_index.py.)
@@ -15,7 +16,7 @@ import numpy as np
 from hypothesis import given
 
 import service.core
-from service.core import batching, page_ops, prefix_index
+from service.core import batching, lru, page_ops, prefix_index, probe_hash, token_ids
 from tests.core.conftest import load_source
 from tests.core.test_batching import Seq, appends, decode_batches, rows
 from tests.core.test_page_ops import NUM_PAGES, releases, stacks
@@ -25,12 +26,14 @@ source_page_ops, source_batching = load_source("page_ops"), load_source("batchin
 
 def test_the_core_runs_compiled() -> None:
     # Without the build every loop runs as plain Python: correct, but 10 to 200 times slower.
-    assert service.core.compiled_modules() == {m.__name__: True for m in (page_ops, batching, prefix_index)}
+    modules = (page_ops, batching, lru, probe_hash, prefix_index, token_ids)
+    assert service.core.compiled_modules() == {m.__name__: True for m in modules}
     assert service.core.is_compiled(), "the core is not compiled: run `python setup.py build_ext --inplace`"
 
 
 def test_the_source_runs_uncompiled() -> None:
-    assert not (source_page_ops.COMPILED or source_batching.COMPILED or load_source("prefix_index").COMPILED)
+    names = ("page_ops", "batching", "lru", "probe_hash", "prefix_index", "token_ids")
+    assert not any(load_source(name).COMPILED for name in names)
 
 
 def same_on_both(

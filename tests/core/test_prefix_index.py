@@ -6,52 +6,22 @@ import hashlib
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from service.core import lru, probe_hash
 from service.core import prefix_index as pi
 from service.core.hashing import root_hash
 from tests.core.conftest import load_source
 
 source = load_source("prefix_index")
-
-
-@given(st.lists(st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 2**63 - 1, -(2**63)]))))
-def test_int64_bytes_are_little_endian_int64(ids: list[int]) -> None:
-    assert pi.int64_bytes(ids) == source.int64_bytes(ids) == np.array(ids, dtype="<i8").tobytes()
-
-
-@pytest.mark.parametrize(
-    ("ids", "error"), [([1, 2**63], OverflowError), ([-(2**63) - 1], OverflowError), ([1, 2.0], TypeError)]
-)
-def test_int64_bytes_rejects_what_does_not_fit(ids: list[object], error: type[Exception]) -> None:
-    for convert in (pi.int64_bytes, source.int64_bytes):
-        with pytest.raises(error):
-            convert(ids)
-
-
-@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=12), st.integers(-1, 14), st.integers(-1, 14))
-def test_int64_bytes_of_a_range_is_that_of_the_slice(ids: list[int], start: int, stop: int) -> None:
-    expected = np.array(ids[max(start, 0) : len(ids) if stop < 0 else stop], dtype="<i8").tobytes()
-    for convert in (pi.int64_bytes, source.int64_bytes):
-        assert convert(ids, start, stop) == convert(tuple(ids), start, stop) == expected
-
-
-@given(st.binary(min_size=32, max_size=32), st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=40))
-def test_probe_hash_compiled_is_the_source(parent: bytes, ids: list[int]) -> None:
-    page = np.array(ids, dtype="<i8").tobytes()
-    seed = pi.new_seed(32 + len(page))
-    h = pi.probe_hash(seed, parent, page)
-    assert h == source.probe_hash(seed, parent, page)
-    assert h != pi.probe_hash(pi.new_seed(32 + len(page)), parent, page)  # (fails with odds 2**-64)
-    with pytest.raises(ValueError):
-        pi.probe_hash(seed[:-1], parent, page)
+SOURCES = {pi: source, lru: load_source("lru")}
 
 
 def test_bad_arguments_raise_and_register_nothing() -> None:
     table, key_hash, hashes, is_hashed = pi.new_index(4)
     keys = np.zeros((4, 32 + 16), dtype=np.uint8)
-    seed = pi.new_seed(32 + 16)
+    seed = probe_hash.new_seed(32 + 16)
     root = root_hash("")
     cases = [
         ((np.array([0]), root[:31], bytes(16), 16), ValueError),  # parent is not a hash
@@ -69,12 +39,28 @@ def test_bad_arguments_raise_and_register_nothing() -> None:
         with pytest.raises(ValueError, match="seed"):
             commit(table, keys, key_hash, hashes, is_hashed, seed[:-1], np.array([0]), root, bytes(16), 16)
     assert not is_hashed.any() and (table == -1).all()  # nothing was registered
-    lru = pi.new_lru(4)
+    for commit in (pi.commit, source.commit):  # a namer that is not new_namer()'s
+        with pytest.raises(ValueError, match="namer"):
+            commit(
+                table,
+                keys,
+                key_hash,
+                hashes,
+                is_hashed,
+                seed,
+                np.array([0]),
+                root,
+                bytes(16),
+                16,
+                np.zeros(31, np.uint8),
+            )
+    assert not is_hashed.any() and (table == -1).all()
+    links = lru.new_lru(4)
     for evict in (pi.evict, source.evict):
         with pytest.raises(ValueError, match="fewer cached pages"):
-            evict(lru, table, key_hash, is_hashed, 1)
+            evict(links, table, key_hash, is_hashed, 1)
         with pytest.raises(ValueError):
-            evict(lru, table, key_hash, is_hashed, -1)
+            evict(links, table, key_hash, is_hashed, -1)
 
 
 NUM_PAGES, PAGE_TOKENS = 6, 2
@@ -84,36 +70,45 @@ pages_data = st.lists(st.lists(st.integers(0, 1), min_size=PAGE_TOKENS, max_size
 
 class Twins(RuleBasedStateMachine):
     """The same random program on two copies of the index arrays, one run by the compiled build, the
-    other by the source run as plain Python.
+    other by the source run as plain Python; pages named by content (SHA-256).
 
     A tiny vocabulary and pool make keys repeat (taken keys), collide in the 16-slot table (long
     probe runs) and get evicted from the middle of runs (backward shifts)."""
+
+    serial_names = False
 
     def __init__(self) -> None:
         super().__init__()
         table, key_hash, hashes, is_hashed = pi.new_index(NUM_PAGES)
         keys = np.zeros((NUM_PAGES, 32 + PAGE_NBYTES), dtype=np.uint8)
-        seed = pi.new_seed(32 + PAGE_NBYTES)
-        self.arrays = {"c": [table, keys, key_hash, hashes, is_hashed, pi.new_lru(NUM_PAGES), seed]}
-        self.arrays["py"] = [a.copy() for a in self.arrays["c"]]
+        seed = probe_hash.new_seed(32 + PAGE_NBYTES)
+        namer = pi.new_namer() if self.serial_names else None
+        self.arrays = {"c": [table, keys, key_hash, hashes, is_hashed, lru.new_lru(NUM_PAGES), seed, namer]}
+        self.arrays["py"] = [None if a is None else a.copy() for a in self.arrays["c"]]
         self.parents = [root_hash(""), root_hash("t")]
         self.in_lru: list[int] = []
 
-    def run(self, fn: str, pick: list[int], *rest: object) -> object:
-        """Call fn on each copy with the arrays at positions `pick` first; results must agree."""
-        out = [getattr(impl, name)(*[self.arrays[side][i] for i in pick], *rest) for side, impl, name in self.impls(fn)]
+    def run(self, fn: str, pick: list[int], *rest: object, after: tuple[int, ...] = ()) -> object:
+        """Call fn on each copy with the arrays at positions `pick` first, then `rest`, then the arrays
+        at positions `after`; results must agree."""
+        out = [
+            getattr(impl, name)(*[self.arrays[side][i] for i in pick], *rest, *[self.arrays[side][i] for i in after])
+            for side, impl, name in self.impls(fn)
+        ]
         assert out[0] == out[1]
         return out[0]
 
     @staticmethod
     def impls(fn: str) -> list[tuple[str, object, str]]:
-        return [("c", pi, fn), ("py", source, fn)]
+        module = lru if fn.startswith("lru_") else pi
+        return [("c", module, fn), ("py", SOURCES[module], fn)]
 
     @rule(parent=st.integers(0, 63), chosen=st.permutations(range(NUM_PAGES)), data=pages_data)
     def commit(self, parent: int, chosen: list[int], data: list[list[int]]) -> None:
         pages = np.array(chosen[: len(data)], dtype=np.int64)
         raw = np.array(data, dtype="<i8").tobytes()
-        last = self.run("commit", [0, 1, 2, 3, 4, 6], pages, self.parents[parent % len(self.parents)], raw, PAGE_NBYTES)
+        parent_name = self.parents[parent % len(self.parents)]
+        last = self.run("commit", [0, 1, 2, 3, 4, 6], pages, parent_name, raw, PAGE_NBYTES, after=(7,))
         self.parents.append(last)  # type: ignore[arg-type]
 
     @rule(parent=st.integers(0, 63), data=pages_data)
@@ -140,7 +135,7 @@ class Twins(RuleBasedStateMachine):
     @rule(data=st.data())
     def evict(self, data: st.DataObject) -> None:
         num = data.draw(st.integers(0, len(self.in_lru)))
-        oldest_first = pi.lru_pages(self.arrays["c"][5])
+        oldest_first = lru.lru_pages(self.arrays["c"][5])
         assert self.run("evict", [5, 0, 2, 4], num) == oldest_first[:num]
         self.in_lru = oldest_first[num:]
 
@@ -150,31 +145,44 @@ class Twins(RuleBasedStateMachine):
     @invariant()
     def the_arrays_are_identical(self) -> None:
         for c, py in zip(self.arrays["c"], self.arrays["py"]):
-            assert c.tobytes() == py.tobytes()
+            assert (c is None and py is None) or c.tobytes() == py.tobytes()
 
     @invariant()
     def every_registered_page_is_found_by_its_key(self) -> None:
-        table, keys, key_hash, hashes, is_hashed, lru, seed = self.arrays["c"]
+        table, keys, key_hash, hashes, is_hashed, links, seed, namer = self.arrays["c"]
         assert sorted(int(p) for p in table if p >= 0) == np.nonzero(is_hashed)[0].tolist()
         for page in np.nonzero(is_hashed)[0].tolist():
             key = keys[page].tobytes()
             parent, tokens = key[:32], key[32:]
-            assert key_hash[page] == pi.probe_hash(seed, parent, tokens) == source.probe_hash(seed, parent, tokens)
-            assert pi.match(table, keys, key_hash, hashes, seed, key[:32], key[32:], PAGE_NBYTES) == (
-                [page],
-                hashlib.sha256(key).digest(),
-            )
-        assert sorted(pi.lru_pages(lru)) == sorted(self.in_lru)
+            assert key_hash[page] == probe_hash.probe_hash(seed, parent, tokens)
+            name = hashes[page].tobytes()
+            assert pi.match(table, keys, key_hash, hashes, seed, key[:32], key[32:], PAGE_NBYTES) == ([page], name)
+            if namer is None:
+                assert name == hashlib.sha256(key).digest()
+            else:  # the tag, then a count of names given so far
+                assert name[:24] == pi.SERIAL_TAG and 0 < int.from_bytes(name[24:], "little") <= self.names_given()
+        assert sorted(lru.lru_pages(links)) == sorted(self.in_lru)
+
+    def names_given(self) -> int:
+        return int.from_bytes(self.arrays["c"][7][24:].tobytes(), "little")
+
+    @invariant()
+    def serial_names_are_unique(self) -> None:
+        hashes, is_hashed = self.arrays["c"][3], self.arrays["c"][4]
+        names = [hashes[p].tobytes() for p in np.nonzero(is_hashed)[0].tolist()]
+        assert len(set(names)) == len(names)
 
 
-TestTwins = Twins.TestCase
-TestTwins.settings = settings(
+class SerialTwins(Twins):
+    """Twins with pages named serially (new_namer()): the compiled and source counts stay equal."""
+
+    serial_names = True
+
+
+TWIN_SETTINGS = settings(
     max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-
-
-@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, np.uint64])
-def test_int64_bytes_of_an_array_is_that_of_its_list(dtype: type) -> None:
-    ids = [0, 1, 7, 100, 255]
-    for convert in (pi.int64_bytes, source.int64_bytes):
-        assert convert(np.array(ids, dtype=dtype), 1, 4) == convert(ids, 1, 4) == np.array(ids[1:4], "<i8").tobytes()
+TestTwins = Twins.TestCase
+TestTwins.settings = TWIN_SETTINGS
+TestSerialTwins = SerialTwins.TestCase
+TestSerialTwins.settings = TWIN_SETTINGS

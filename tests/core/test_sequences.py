@@ -101,7 +101,7 @@ def test_token_ids_outside_int64_are_rejected_before_anything_changes() -> None:
         with pytest.raises(InvalidRequest, match="int64"):
             call()
         assert snapshot(t) == before
-    assert t.allocator.page_hash(0) is None  # the failed appends committed nothing
+    assert t.allocator.page_name(0) is None  # the failed appends committed nothing
 
 
 # -- out of pages: nothing changes ----------------------------------------------------------------
@@ -115,7 +115,7 @@ def test_out_of_pages_on_append_changes_nothing() -> None:
         t.append("b", 1, [99])
     assert (err.value.needed, err.value.available) == (1, 0)
     assert snapshot(t) == before
-    assert t.allocator.page_hash(5) is None  # the failed append committed nothing
+    assert t.allocator.page_name(5) is None  # the failed append committed nothing
     assert t.stats.allocation_failures == 1
     with pytest.raises(OutOfPages):
         t.append("a", 5, data_written=True)
@@ -292,7 +292,7 @@ def test_prefix_hit_after_a_free_reuses_the_full_pages() -> None:
     a = t.create("a", P10)
     assert (a.cached_tokens, t.length(a)) == (0, 0)
     assert fill(t, "a", 10, P10) == list(range(10))
-    assert [t.allocator.page_hash(p) for p in range(3)] == [*prefix_hashes(P10, 4), None]
+    assert [t.allocator.page_name(p) for p in range(3)] == [*prefix_hashes(P10, 4), None]
     assert t.free("a") == 3
     assert t.allocator.cached_pages() == [1, 0] and counts(t) == (0, 2, 6)
     b = t.create("b", P10)
@@ -326,7 +326,7 @@ def test_a_prefix_hit_stops_at_the_first_different_page_and_shares_live_pages() 
 def test_without_prefix_caching_nothing_is_hashed_or_cached() -> None:
     t = make_table(prefix_caching=False)
     fill(t, "a", 10, P10)
-    assert t.allocator.page_hash(0) is None
+    assert t.allocator.page_name(0) is None
     assert t.free("a") == 3 and counts(t) == (0, 0, 8)
     assert t.create("b", P10).cached_tokens == 0
 
@@ -334,10 +334,10 @@ def test_without_prefix_caching_nothing_is_hashed_or_cached() -> None:
 def test_pages_appended_without_data_are_cached_at_the_next_append() -> None:
     t = make_table()
     fill(t, "a", 8, P10[:8], data=False)
-    assert [t.allocator.page_hash(p) for p in (0, 1)] == [None, None]
+    assert [t.allocator.page_name(p) for p in (0, 1)] == [None, None]
     assert t.create("probe", P10).cached_tokens == 0
     fill(t, "a", 1, [P10[8]], data=False)
-    assert [t.allocator.page_hash(p) for p in (0, 1)] == prefix_hashes(P10, 4)
+    assert [t.allocator.page_name(p) for p in (0, 1)] == prefix_hashes(P10, 4)
     assert t.create("probe2", P10).cached_tokens == 8
 
 
@@ -345,7 +345,7 @@ def test_pages_appended_without_data_are_cached_at_the_next_step_listing_them() 
     t = make_table()
     fill(t, "a", 8, P10[:8], data=False)
     t.step([], ["a"])
-    assert [t.allocator.page_hash(p) for p in (0, 1)] == prefix_hashes(P10, 4)
+    assert [t.allocator.page_name(p) for p in (0, 1)] == prefix_hashes(P10, 4)
 
 
 def test_a_step_caches_pages_written_before_it_not_the_pages_it_appends() -> None:
@@ -356,11 +356,11 @@ def test_a_step_caches_pages_written_before_it_not_the_pages_it_appends() -> Non
     t.step([("a", 4, P10[4:8])])
     t.step([("b", 4, P10[4:8])], ["b"])
     hashes = prefix_hashes(P10, 4)
-    assert [t.allocator.page_hash(p) for p in range(4)] == [hashes[0], None, None, None]
+    assert [t.allocator.page_name(p) for p in range(4)] == [hashes[0], None, None, None]
     assert t.create("probe", P10).cached_tokens == 4
     t.free("probe")
     t.step([], ["a", "b"])  # the next step: both pages are written now
-    assert t.allocator.page_hash(2) == hashes[1]
+    assert t.allocator.page_name(2) == hashes[1]
     assert t.create("probe", P10).cached_tokens == 8
 
 
@@ -369,7 +369,7 @@ def test_pages_appended_without_data_are_cached_when_freed() -> None:
     fill(t, "a", 10, P10, data=False)
     assert t.free("a") == 3
     assert t.allocator.cached_pages() == [1, 0] and counts(t) == (0, 2, 6)
-    assert [t.allocator.page_hash(p) for p in (0, 1)] == prefix_hashes(P10, 4)
+    assert [t.allocator.page_name(p) for p in (0, 1)] == prefix_hashes(P10, 4)
 
 
 def test_appends_without_token_ids_stop_hashing() -> None:
@@ -377,8 +377,8 @@ def test_appends_without_token_ids_stop_hashing() -> None:
     fill(t, "a", 4, P10[:4])
     fill(t, "a", 4)  # token ids unknown from here on
     fill(t, "a", 4, [1, 2, 3, 4])
-    assert t.allocator.page_hash(0) == prefix_hashes(P10, 4)[0]
-    assert [t.allocator.page_hash(p) for p in (1, 2)] == [None, None]
+    assert t.allocator.page_name(0) == prefix_hashes(P10, 4)[0]
+    assert [t.allocator.page_name(p) for p in (1, 2)] == [None, None]
     assert t.free("a") == 3
     assert t.allocator.cached_pages() == [0] and counts(t) == (0, 1, 7)
     # A fork of such a sequence does not hash either.
@@ -427,7 +427,7 @@ def test_the_tenant_salt_keeps_prefixes_apart() -> None:
     fill_seq = t.create("a", tenant="x")
     t.append("a", 10, P10, data_written=True, tenant="x")
     t.free(fill_seq.seq_id, "x")
-    assert [t.allocator.page_hash(p) for p in (0, 1)] == prefix_hashes(P10, 4, "x")
+    assert [t.allocator.page_name(p) for p in (0, 1)] == prefix_hashes(P10, 4, "x")
     assert t.create("a", P10, tenant="y").cached_tokens == 0
     assert t.create("a", P10, tenant="").cached_tokens == 0
     assert t.create("a", P10, tenant="x").cached_tokens == 8
@@ -652,7 +652,7 @@ def test_token_id_arrays_do_what_lists_do(dtype: type) -> None:
         assert seq.cached_tokens == 8
         t.append("b", 2, ids[8:], data_written=True)
     assert snapshot(lists) == snapshot(arrays)
-    assert [lists.allocator.page_hash(p) for p in (0, 1)] == prefix_hashes(P10, 4)
+    assert [lists.allocator.page_name(p) for p in (0, 1)] == prefix_hashes(P10, 4)
 
 
 @pytest.mark.parametrize(

@@ -85,8 +85,8 @@ class PlanCheckingTable(SequenceTable):
         return ext
 
 
-def make_table(num_pages: int, page_size: int, prefix_caching: bool, quota: int) -> SequenceTable:
-    return PlanCheckingTable(PageAllocator(num_pages, prefix_caching), page_size, quota)
+def make_table(num_pages: int, page_size: int, prefix_caching: bool, quota: int, content_names: bool) -> SequenceTable:
+    return PlanCheckingTable(PageAllocator(num_pages, prefix_caching, content_names), page_size, quota)
 
 
 @dataclass
@@ -103,10 +103,11 @@ class PoolMachine(RuleBasedStateMachine):
     page_size = 2
     prefix_caching = True
     quota = 0
+    content_names = False  # pages named serially, as a server without events or tiers names them
 
     def __init__(self) -> None:
         super().__init__()
-        args = (self.num_pages, self.page_size, self.prefix_caching, self.quota)
+        args = (self.num_pages, self.page_size, self.prefix_caching, self.quota, self.content_names)
         self.table = make_table(*args)
         self.twin = make_table(*args)
         self.sentinel = self.num_pages
@@ -396,10 +397,10 @@ class PoolMachine(RuleBasedStateMachine):
         assert a.ref_count.tolist() == refs.tolist()
         assert a.num_used == int((refs > 0).sum())
         cached = a.cached_pages()
-        assert len(set(cached)) == len(cached) and all(refs[p] == 0 and a.page_hash(p) for p in cached)
+        assert len(set(cached)) == len(cached) and all(refs[p] == 0 and a.page_name(p) for p in cached)
         for page in range(self.num_pages):  # a page neither used nor cached is free and forgotten
             if refs[page] == 0 and page not in cached:
-                assert a.page_hash(page) is None
+                assert a.page_name(page) is None
         if not self.prefix_caching:
             assert a.num_cached == 0
 
@@ -440,7 +441,7 @@ class PoolMachine(RuleBasedStateMachine):
         """A page enters the prefix cache only once its data is written."""
         for m in self.seqs.values():
             for slot, _ in m.pending:
-                assert self.table.allocator.page_hash(slot // self.page_size) is None
+                assert self.table.allocator.page_name(slot // self.page_size) is None
 
     @invariant()
     def twin_agrees(self) -> None:
@@ -473,6 +474,10 @@ class PoolMachineWithQuota(PoolMachine):
     quota = 6  # pages per tenant, of 10: both QuotaExceeded and OutOfPages happen
 
 
+class PoolMachineWithContentNames(PoolMachine):
+    content_names = True  # pages named by their chained SHA-256 hash, as with KV events or tiers on
+
+
 # About 10 s in all on this 2-core machine when idle (the prefix-caching pool has more to explore).
 TestPoolWithPrefixCaching = PoolMachine.TestCase
 TestPoolWithPrefixCaching.settings = settings(
@@ -497,6 +502,10 @@ class TestPoolOnTheSourceBuild(PoolMachine.TestCase):  # type: ignore[misc,name-
 TestPoolWithoutPrefixCaching = PoolMachineWithoutPrefixCaching.TestCase
 TestPoolWithoutPrefixCaching.settings = settings(
     max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestPoolWithContentNames = PoolMachineWithContentNames.TestCase
+TestPoolWithContentNames.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestPoolWithQuota = PoolMachineWithQuota.TestCase
 TestPoolWithQuota.settings = settings(

@@ -27,10 +27,10 @@ tokens = st.lists(st.integers(0, 2), max_size=7)  # a tiny vocabulary: prefixes 
 class EventsMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.allocator = PageAllocator(8)
+        self.allocator = PageAllocator(8, content_names=True)
         self.table = SequenceTable(self.allocator, PAGE)
         self.queue: list[Any] = []
-        self.allocator.listeners.append(EventListener(self.queue.append))
+        self.allocator.add_listener(EventListener(self.queue.append))
         self.make = EventMaker(PAGE, "CPU")
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
@@ -96,7 +96,7 @@ class EventsMachine(RuleBasedStateMachine):
             self.queue.clear()
             for event in self.decoder.decode(self.encoder.encode(batch)).events:
                 self.apply(event)
-        registered = {self.allocator.page_hash(p) for p in range(self.allocator.num_pages)} - {None}
+        registered = {self.allocator.page_name(p) for p in range(self.allocator.num_pages)} - {None}
         assert self.index == registered
 
     def apply(self, event: Any) -> None:

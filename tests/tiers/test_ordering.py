@@ -96,7 +96,7 @@ def test_a_failed_tier_read_restores_nothing(tmp_path: Any) -> None:
             slot = sorted(disk.index.slots().values())[2]  # the third page's slot: its header names another
             os.pwrite(disk.fd, b"\xff", slot * 64 + 10)
             a = state.allocator
-            cached = {p: a.page_hash(p) for p in a.cached_pages()}
+            cached = {p: a.page_name(p) for p in a.cached_pages()}
             assert len(cached) == 8
             await tiers.restore([*prompt(1), 7], "", "")
             # The fresh pages went back free, uncommitted; the four cached pages their allocation
@@ -104,7 +104,7 @@ def test_a_failed_tier_read_restores_nothing(tmp_path: Any) -> None:
             assert (a.num_used, a.num_cached, a.num_free) == (0, 4, 4)
             evicted = [h for p, h in cached.items() if p not in a.cached_pages()]
             assert len(evicted) == 4 and all(h in disk.index for h in evicted)
-            assert all(a.page_hash(p) is None for p in range(8) if p not in a.cached_pages())
+            assert all(a.page_name(p) is None for p in range(8) if p not in a.cached_pages())
             assert disk.stats.errors == 1 and disk.stats.hits == 0
             assert state.sequences.create("a2", [*prompt(1), 7]).cached_tokens == 0
         finally:

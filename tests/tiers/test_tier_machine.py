@@ -170,7 +170,7 @@ class TierMachine(RuleBasedStateMachine):
                     self.seen[e.medium] -= set(e.block_hashes)
         self.events.clear()
         a, index = self.state.allocator, self.local.index
-        assert self.seen["CPU"] == {a.page_hash(p) for p in range(PAGES)} - {None}
+        assert self.seen["CPU"] == {a.page_name(p) for p in range(PAGES)} - {None}
         ready = {h for h in index.slots() if not index.entry(h).pending}  # type: ignore[union-attr]
         assert self.seen[self.local.medium] == ready
 
@@ -178,7 +178,7 @@ class TierMachine(RuleBasedStateMachine):
     def every_page_holds_its_prefix(self) -> None:
         a, blocks = self.state.allocator, self.state.storage.blocks
         for p in range(PAGES):
-            h = a.page_hash(p)
+            h = a.page_name(p)
             if h is not None:
                 assert torch.equal(blocks[p], page_kv(h)), f"device page {p}"
         for h, slot in self.local.index.slots().items():
