@@ -243,9 +243,9 @@ PEER_FIGURES = (  # (key, label); "_hashing": vLLM's request hasher inside the t
     ("hit", "(c) hits, vLLM pre-hashed"),
     ("hit_arrays", "    hits, kvpool int64 ids"),
     ("hit_hashing", "    hits, vLLM hashing timed"),
-    # kvpool with KV events or a tier on: pages named by SHA-256 at commit, so against vLLM hashing
-    ("miss_content", "    misses, both hashing (events)"),
-    ("hit_content", "    hits, both hashing (events)"),
+    # kvpool with KV events or a tier on (pages named by SHA-256 at commit), against vLLM hashing timed
+    ("miss_content", "    misses, events/tiers on"),
+    ("hit_content", "    hits, events/tiers on"),
 )
 
 
