@@ -60,6 +60,8 @@ def test_bench_alloc_peers_quick_prints_both_page_sizes_side_by_side() -> None:
             "(c) hits, vLLM pre-hashed",
             "hits, kvpool int64 ids",
             "hits, vLLM hashing timed",
+            "misses, events/tiers on",
+            "hits, events/tiers on",
         ], block
         for m in rows:
             assert m["target"] == target and _verdict_holds(m), m[0]
@@ -72,6 +74,8 @@ def test_bench_alloc_peers_quick_prints_both_page_sizes_side_by_side() -> None:
         # figure show the same kvpool run; the int64-ids row is kvpool's other run against pre-hashed vLLM
         assert rows[1]["ours"] == rows[3]["ours"] and rows[4]["ours"] == rows[6]["ours"]
         assert rows[1]["theirs"] == rows[2]["theirs"] and rows[4]["theirs"] == rows[5]["theirs"]
+        # kvpool with content names (events or tiers on) hashes every page: against vLLM hashing timed
+        assert rows[7]["theirs"] == rows[3]["theirs"] and rows[8]["theirs"] == rows[6]["theirs"]
         (step,) = [m for m in map(STEP_ROW.match, lines) if m]
         assert step["target"] == target and _verdict_holds(step), step[0]
         assert float(step["ratio"]) == pytest.approx(float(step["theirs"]) / float(step["ours"]), rel=0.05)
