@@ -14,6 +14,8 @@ from service.config import Settings, describe_errors
         ({"spill": "disk"}, "KVPOOL_SPILL=disk needs KVPOOL_SPILL_PATH"),
         ({"spill": "host", "enable_prefix_caching": False}, "need KVPOOL_ENABLE_PREFIX_CACHING=true"),
         ({"remote_url": "http://x:6379"}, "redis://"),
+        ({"remote_url": "redis+cluster://a:7000,b:7001/3"}, "KVPOOL_REMOTE_URL: a Redis Cluster has only database 0"),
+        ({"remote_url": "redis+cluster://a:port"}, "host:port seeds"),
         ({"spill": "host", "spill_bytes": 100}, "holds no page"),
         ({"spill": "tape"}, "KVPOOL_SPILL"),
     ],
