@@ -9,22 +9,48 @@ pages of 100 KiB and more it is as fast as MGET (within 2 % on loopback; 1 KiB t
 Redis >= 6.2 or any Valkey. One batch of keys is one sendall; several batches may be in flight.
 
 Values of one expected size only (others are read into a scratch buffer and reported by their size).
-Connection: host/port or a unix path, AUTH (user, password) and SELECT (db). Any failure (refused,
+Connection: host/port or a unix path, TLS (rediss://: the ssl_* URL options redis-py takes for the CA,
+client certificate and checks; its defaults, so reads and writes agree), AUTH (user, password) and
+SELECT (db). Any failure (refused,
 timeout, a protocol or server error) closes the socket and raises: the stream is never reused in an
 unknown state, and the next call reconnects. A -MOVED/-ASK answer (Redis Cluster: the slot is
 elsewhere now) is no failure of the stream: it is reported as REDIRECTED for that key.
 """
 
+import inspect
 import socket
-from collections.abc import Sequence
+import ssl
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from redis.connection import parse_url
+from redis.connection import SSLConnection, parse_url
 
 LINE_BUF = 1 << 16
 RECV_BUF = 8 << 20
 MISSING, REDIRECTED = -1, -2  # sizes read_value returns besides a value's length
+
+
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+_SSL_DEFAULTS = inspect.signature(SSLConnection.__init__).parameters
+
+
+def tls_context(options: Mapping[str, Any]) -> ssl.SSLContext:
+    """The TLS context redis-py would use for these ssl_* options (URL query), with its defaults."""
+
+    def option(name: str) -> Any:
+        return options.get(name, _SSL_DEFAULTS[name].default if name in _SSL_DEFAULTS else None)
+
+    reqs = str(option("ssl_cert_reqs") or "required").lower()
+    modes = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+    if reqs not in modes:
+        raise ValueError(f"ssl_cert_reqs={reqs}: none, optional or required")
+    ctx = ssl.create_default_context(cafile=option("ssl_ca_certs"), capath=option("ssl_ca_path"))
+    ctx.check_hostname = reqs != "none" and str(option("ssl_check_hostname")).lower() in ("true", "1", "yes")
+    ctx.verify_mode = modes[reqs]
+    if option("ssl_certfile"):
+        ctx.load_cert_chain(option("ssl_certfile"), option("ssl_keyfile"))
+    return ctx
 
 
 class RespError(Exception):
@@ -41,9 +67,10 @@ class RespConnection:
         username: str | None = None,
         password: str | None = None,
         db: int = 0,
+        tls: ssl.SSLContext | None = None,
         timeout: float,
     ) -> None:
-        self.host, self.port, self.path = host, port, path
+        self.host, self.port, self.path, self.tls = host, port, path, tls
         self.username, self.password, self.db = username, password, db
         self.timeout = timeout
         self.sock: socket.socket | None = None
@@ -53,7 +80,8 @@ class RespConnection:
 
     @classmethod
     def from_url(cls, url: str, timeout: float) -> "RespConnection":
-        """redis://[user:password@]host:port/db or unix:///path?db=N&password=..., as redis-py parses them."""
+        """redis[s]://[user:password@]host:port/db[?ssl_...] or unix:///path?db=N&password=..., as redis-py
+        parses them."""
         kw = parse_url(url)
         return cls(
             kw.get("host", "localhost"),
@@ -62,11 +90,17 @@ class RespConnection:
             username=kw.get("username"),
             password=kw.get("password"),
             db=int(kw.get("db", 0) or 0),
+            tls=tls_context(kw) if url.startswith("rediss://") else None,
             timeout=timeout,
         )
 
     @staticmethod
     def supports(url: str) -> bool:
+        """Whether this reader can: redis://, unix://, and rediss:// with no TLS option but TLS_OPTIONS
+        (others, e.g. OCSP, leave the reads to redis-py)."""
+        if url.startswith("rediss://"):
+            known = {"username", "password", "host", "port", "db", "connection_class", *TLS_OPTIONS}
+            return set(parse_url(url)) <= known
         return url.startswith(("redis://", "unix://"))
 
     # -- connection -------------------------------------------------------------------------------
@@ -78,6 +112,12 @@ class RespConnection:
         else:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                try:
+                    sock = self.tls.wrap_socket(sock, server_hostname=self.host)
+                except BaseException:
+                    sock.close()
+                    raise
         # Room for the replies sent ahead while the current ones are checked (capped by net.core.rmem_max).
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUF)
         self.sock, self.start, self.end = sock, 0, 0

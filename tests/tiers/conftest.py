@@ -149,3 +149,50 @@ def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
     servers = RedisClusterServers(tmp_path)
     yield servers
     servers.close()
+
+
+class RedisTLSServer:
+    """A redis-server speaking only TLS, with a self-signed certificate for 127.0.0.1 made by openssl."""
+
+    def __init__(self, directory: Path) -> None:
+        self.cert, key = directory / "cert.pem", directory / "key.pem"
+        make = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+        subprocess.run(
+            [*make, "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(self.cert)],
+            check=True,
+            capture_output=True,
+        )
+        self.port = free_port()
+        self.url = f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
+        assert REDIS_SERVER is not None
+        args = ["--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--tls-cert-file", str(self.cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(self.cert)]
+        args += ["--tls-auth-clients", "no"]
+        self.proc = subprocess.Popen([REDIS_SERVER, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                self.client().ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("redis-server (TLS) did not start in 20 s") from None
+                time.sleep(0.05)
+
+    def client(self) -> "redis.Redis[bytes]":
+        return redis.Redis.from_url(self.url, socket_timeout=2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def redis_tls_server(tmp_path: Path) -> Iterator[RedisTLSServer]:
+    if REDIS_SERVER is None or shutil.which("openssl") is None:
+        pytest.fail("redis-server and openssl are not installed (apt-get install redis-server openssl)")
+    server = RedisTLSServer(tmp_path)
+    yield server
+    server.stop()

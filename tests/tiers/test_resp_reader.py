@@ -1,15 +1,16 @@
 """The remote tier's GETEX reader (service.tiers.resp) against a real redis-server: values land in their
 rows byte for byte, missing and wrong-sized values are told apart, each read refreshes the TTL, the
-URL's password and database are used, and a store gone or restarted fails the call and is reconnected
+URL's password and database are used, TLS works, and a store gone or restarted fails the call and is reconnected
 to on the next one."""
 
 import os
+import ssl
 
 import numpy as np
 import pytest
 
 from service.tiers.resp import MISSING, RespConnection
-from tests.tiers.conftest import RedisServer
+from tests.tiers.conftest import RedisServer, RedisTLSServer
 
 
 def test_values_into_rows_and_two_replies_in_flight(redis_server: RedisServer) -> None:
@@ -74,3 +75,25 @@ def test_store_down_then_back(redis_server: RedisServer) -> None:
         assert rows[0].tobytes() == b"v2"
     finally:
         reader.close()
+
+
+def test_tls_reads_through_the_same_reader(redis_tls_server: RedisTLSServer) -> None:
+    value = os.urandom(70_000)
+    redis_tls_server.client().set("k", value)
+    assert RespConnection.supports(redis_tls_server.url)
+    reader = RespConnection.from_url(redis_tls_server.url, 2.0)
+    rows = np.zeros((2, len(value)), dtype=np.uint8)
+    try:
+        reader.send_getex([b"k", b"missing"], 60)
+        assert [reader.read_value(row) for row in rows] == [len(value), MISSING]
+        assert rows[0].tobytes() == value
+        assert isinstance(reader.sock, ssl.SSLSocket)
+    finally:
+        reader.close()
+    # Without the CA the certificate is refused: nothing read, the connection closed.
+    bare = RespConnection.from_url(redis_tls_server.url.split("?")[0], 2.0)
+    with pytest.raises(ssl.SSLError):
+        bare.send_getex([b"k"], 60)
+    assert bare.sock is None
+    # A TLS option this reader does not handle leaves the reads to redis-py.
+    assert not RespConnection.supports(redis_tls_server.url + "&ssl_min_version=3")
