@@ -1,11 +1,12 @@
 """The shared tier on a Redis (or Valkey) Cluster: the URL, the write client and the read routing.
 
-URL: redis+cluster://[user:password@]host:port[,host:port...][/0], or rediss+cluster:// for TLS. The
-hosts are seeds: any one that answers gives the whole slot map. A scheme of its own, as Prefect and
-docket name Sentinel (redis+sentinel://), because a cluster is a different protocol from the same
-redis:// port (a standalone client there gets -MOVED for two keys in three), the whole topology then
-fits the one variable compose and Kubernetes already pass (KVPOOL_REMOTE_URL), and a seed list keeps
-working with one seed down. A cluster has only database 0.
+URL: redis+cluster://[user:password@]host:port[,host:port...][/0], or rediss+cluster:// for TLS (with
+redis-py's ssl_* options of service.tiers.resp.TLS_OPTIONS as the query, as on rediss://). The hosts are
+seeds: any one that answers gives the whole slot map. A scheme of its own, as Prefect and docket name
+Sentinel (redis+sentinel://), because a cluster is a different protocol from the same redis:// port (a
+standalone client there gets -MOVED for two keys in three), the whole topology then fits the one
+variable compose and Kubernetes already pass (KVPOOL_REMOTE_URL), and a seed list keeps working with
+one seed down. A cluster has only database 0.
 
 Writes: redis-py's RedisCluster (its pipelines send each node its SETs in one round trip), created
 at the first write so a cluster down at start-up only counts errors. Reads: ClusterReader routes each
@@ -29,7 +30,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
-from service.tiers.resp import REDIRECTED, RespConnection, RespError
+from service.tiers.resp import REDIRECTED, TLS_OPTIONS, RespConnection, RespError, tls_context
 
 SCHEMES = ("redis+cluster", "rediss+cluster")
 Address = tuple[str, int]
@@ -39,15 +40,19 @@ def is_cluster_url(url: str) -> bool:
     return url.split("://", 1)[0] in SCHEMES
 
 
-def parse_cluster_url(url: str) -> tuple[list[Address], str | None, str | None, bool]:
-    """(seed addresses, username, password, tls) of a redis+cluster:// URL; ValueError if malformed."""
+def parse_cluster_url(url: str) -> tuple[list[Address], str | None, str | None, dict[str, Any] | None]:
+    """(seed addresses, username, password, TLS options or None without TLS) of a redis+cluster:// URL;
+    ValueError if malformed."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in SCHEMES:
         raise ValueError(f"not a Redis Cluster URL: {parts.scheme}://")
     if parts.path not in ("", "/", "/0"):
         raise ValueError("a Redis Cluster has only database 0")
-    if parts.query:
-        raise ValueError("a Redis Cluster URL takes no options")
+    options: dict[str, Any] = dict(urllib.parse.parse_qsl(parts.query))
+    if set(options) - set(TLS_OPTIONS) or (options and parts.scheme != "rediss+cluster"):
+        raise ValueError(f"a Redis Cluster URL takes no options but {', '.join(TLS_OPTIONS)} (rediss+cluster://)")
+    if "ssl_check_hostname" in options:
+        options["ssl_check_hostname"] = options["ssl_check_hostname"].lower() in ("true", "1", "yes")
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
     seeds = []
@@ -61,7 +66,8 @@ def parse_cluster_url(url: str) -> tuple[list[Address], str | None, str | None, 
             raise ValueError(f"a Redis Cluster URL lists host:port seeds, not {item!r}")
         seeds.append((host, int(port or 6379)))
     unquote = urllib.parse.unquote
-    return seeds, unquote(username) or None, unquote(password) or None, parts.scheme == "rediss+cluster"
+    tls = options if parts.scheme == "rediss+cluster" else None
+    return seeds, unquote(username) or None, unquote(password) or None, tls
 
 
 def cluster_client(url: str, timeout: float) -> RedisCluster:
@@ -72,7 +78,8 @@ def cluster_client(url: str, timeout: float) -> RedisCluster:
         startup_nodes=[ClusterNode(host, port) for host, port in seeds],
         username=username,
         password=password,
-        ssl=tls,
+        ssl=tls is not None,
+        **(tls or {}),
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),
@@ -85,7 +92,8 @@ class ClusterReader:
     slot, one connection per node, replies read back in the order the keys were sent."""
 
     def __init__(self, url: str, timeout: float) -> None:
-        self.seeds, self.username, self.password, _ = parse_cluster_url(url)
+        self.seeds, self.username, self.password, tls = parse_cluster_url(url)
+        self.tls = tls_context(tls) if tls is not None else None
         self.timeout = timeout
         self.nodes: dict[Address, RespConnection] = {}
         self.slots: list[Address | None] | None = None  # owner of each slot; None: fetch before sending
@@ -95,7 +103,12 @@ class ClusterReader:
         conn = self.nodes.get(address)
         if conn is None:
             conn = RespConnection(
-                address[0], address[1], username=self.username, password=self.password, timeout=self.timeout
+                address[0],
+                address[1],
+                username=self.username,
+                password=self.password,
+                tls=self.tls,
+                timeout=self.timeout,
             )
             self.nodes[address] = conn
         return conn

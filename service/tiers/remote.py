@@ -16,9 +16,9 @@ Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S), and every read that finds a
 Writes go through redis-py (a background batch, pipelined SETs; RedisCluster on a cluster). Reads (a
 lookup waits on them) pipeline GETEX over service.tiers.resp, which receives each value straight into
 its row of one array: one connection on redis://, rediss:// (TLS) and unix:// URLs, one per node on
-redis+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss+cluster://,
-and rediss:// with TLS options the reader does not handle (resp.TLS_OPTIONS), read through redis-py's
-pipelines instead (slower: its parser copies each value). Each command
+redis[s]+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss:// with
+TLS options the reader does not handle (resp.TLS_OPTIONS) reads through redis-py's pipelines instead
+(slower: its parser copies each value). Each command
 is bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a failure is counted, the tier skipped for a second,
 and the next call reconnects. Needs Redis >= 6.2 (GETEX) or any Valkey.
 """
@@ -95,7 +95,7 @@ class RemoteStore:
         self.cluster = is_cluster_url(self.url)
         self._client: redis.Redis | RedisCluster | None = None  # redis-py, made at first use (client())
         self.reader: RespConnection | ClusterReader | None = None  # None: reads through redis-py
-        if self.cluster and not self.url.startswith("rediss"):
+        if self.cluster:
             self.reader = ClusterReader(self.url, self.timeout)
         elif RespConnection.supports(self.url):
             self.reader = RespConnection.from_url(self.url, self.timeout)

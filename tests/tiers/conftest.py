@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -19,11 +20,11 @@ REDIS_SERVER = shutil.which("valkey-server") or shutil.which("redis-server")
 REDIS_CLI = shutil.which("valkey-cli") or shutil.which("redis-cli")
 
 
-def wait_for_ping(port: int, timeout: float = 20) -> None:
+def wait_for_ping(port: int, timeout: float = 20, **tls: Any) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with redis.Redis(host="127.0.0.1", port=port, socket_timeout=2) as client:
+            with redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, **tls) as client:
                 client.ping()
             return
         except redis.ConnectionError:
@@ -77,22 +78,41 @@ def cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
+def make_cert(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, made by openssl."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    make = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+    subprocess.run(
+        [*make, "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
 class RedisClusterServers:
     """A real Redis Cluster: `size` primaries (no replicas) on free loopback ports, each node's
-    cluster config in a tmp dir so a killed node restarts as itself, with its slots."""
+    cluster config in a tmp dir so a killed node restarts as itself, with its slots; with tls, every
+    node speaks only TLS (clients and the cluster bus), with a self-signed certificate."""
 
-    def __init__(self, directory: Path, size: int = 3) -> None:
+    def __init__(self, directory: Path, size: int = 3, tls: bool = False) -> None:
         self.directory = directory
         self.ports = [cluster_port() for _ in range(size)]
-        self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        self.cert = make_cert(directory) if tls else None
+        self.tls: dict[str, Any] = {"ssl": True, "ssl_ca_certs": str(self.cert[0])} if self.cert else {}
+        scheme, query = (
+            ("rediss+cluster", f"?ssl_ca_certs={self.tls['ssl_ca_certs']}") if tls else ("redis+cluster", "")
+        )
+        self.url = f"{scheme}://" + ",".join(f"127.0.0.1:{p}" for p in self.ports) + query
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         try:
             for port in self.ports:
                 self.start(port)
             assert REDIS_CLI is not None
             nodes = [f"127.0.0.1:{p}" for p in self.ports]
+            cli_tls = ["--tls", "--cacert", str(self.cert[0])] if self.cert else []
             subprocess.run(
-                [REDIS_CLI, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+                [REDIS_CLI, *cli_tls, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
                 check=True,
                 capture_output=True,
                 timeout=60,
@@ -107,8 +127,12 @@ class RedisClusterServers:
         args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.directory / f"nodes-{port}.conf")]
         args += ["--cluster-node-timeout", "1000", "--dir", str(self.directory)]
+        if self.cert is not None:
+            args[:2] = ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes", "--tls-auth-clients", "no"]
+            args += ["--tls-cert-file", str(self.cert[0]), "--tls-key-file", str(self.cert[1])]
+            args += ["--tls-ca-cert-file", str(self.cert[0])]
         self.procs[port] = subprocess.Popen([REDIS_SERVER, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_ping(port)
+        wait_for_ping(port, **self.tls)
 
     def stop(self, port: int) -> None:
         proc = self.procs.pop(port, None)
@@ -117,10 +141,10 @@ class RedisClusterServers:
             proc.wait()
 
     def client(self, port: int) -> "redis.Redis[bytes]":
-        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, **self.tls)
 
     def cluster(self) -> "redis.cluster.RedisCluster":
-        return redis.cluster.RedisCluster(host="127.0.0.1", port=self.ports[0], socket_timeout=2)
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=self.ports[0], socket_timeout=2, **self.tls)
 
     def wait_ok(self, timeout: float = 30) -> None:
         """Until every node says cluster_state:ok (slots all served, nodes agreeing)."""
@@ -155,13 +179,7 @@ class RedisTLSServer:
     """A redis-server speaking only TLS, with a self-signed certificate for 127.0.0.1 made by openssl."""
 
     def __init__(self, directory: Path) -> None:
-        self.cert, key = directory / "cert.pem", directory / "key.pem"
-        make = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
-        subprocess.run(
-            [*make, "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(self.cert)],
-            check=True,
-            capture_output=True,
-        )
+        self.cert, key = make_cert(directory)
         self.port = free_port()
         self.url = f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
         assert REDIS_SERVER is not None
@@ -187,6 +205,15 @@ class RedisTLSServer:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+@pytest.fixture
+def redis_tls_cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
+    if REDIS_SERVER is None or REDIS_CLI is None or shutil.which("openssl") is None:
+        pytest.fail("redis-server, redis-cli and openssl are not installed (apt-get install redis-server openssl)")
+    servers = RedisClusterServers(tmp_path, tls=True)
+    yield servers
+    servers.close()
 
 
 @pytest.fixture

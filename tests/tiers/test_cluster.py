@@ -1,6 +1,6 @@
 """The shared tier on a real Redis Cluster (three redis-server primaries joined by redis-cli) and real
-kvpool servers: sharing across instances to the bit, pages spread over the nodes, a poisoned entry
-rejected, a node killed and restarted mid-workload, and a slot moved under a reader (-MOVED)."""
+kvpool servers: sharing across instances to the bit (also over TLS), pages spread over the nodes, a
+poisoned entry rejected, a node killed and restarted mid-workload, and a slot moved under a reader (-MOVED)."""
 
 import time
 from typing import Any
@@ -53,6 +53,16 @@ def test_a_prefix_written_on_a_is_a_hit_on_b_over_the_cluster(
     r = b.post("/v1/sequences", json={"token_ids": [*prompt(3), 7]})
     assert r.status_code == 201 and r.json()["cached_tokens"] == PAGE  # page 0 only
     assert metric(b, "kvpool_tier_rejected_total", "remote") == 1
+
+
+def test_a_tls_cluster_shares_to_the_bit(start_server: Any, redis_tls_cluster: RedisClusterServers) -> None:
+    """rediss+cluster://: TLS to every node, writes through RedisCluster, reads through kvpool's reader."""
+    a, b = start_server(cluster_env(redis_tls_cluster)).client, start_server(cluster_env(redis_tls_cluster)).client
+    _, out_a = run_prompt(a, "x", 1, num_pages=8)
+    wait_for(redis_tls_cluster, keys_of("", 1, num_pages=8))
+    cached, out_b = run_prompt(b, "y", 1, num_pages=8)
+    assert cached == 8 * PAGE and same_bits(out_a, out_b)
+    assert metric(b, "kvpool_tier_errors_total", "remote") == 0
 
 
 def test_a_node_killed_mid_workload_and_restarted(start_server: Any, redis_cluster: RedisClusterServers) -> None:

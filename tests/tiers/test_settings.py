@@ -16,6 +16,7 @@ from service.config import Settings, describe_errors
         ({"remote_url": "http://x:6379"}, "redis://"),
         ({"remote_url": "redis+cluster://a:7000,b:7001/3"}, "KVPOOL_REMOTE_URL: a Redis Cluster has only database 0"),
         ({"remote_url": "redis+cluster://a:port"}, "host:port seeds"),
+        ({"remote_url": "redis+cluster://a:1?ssl_ca_certs=x"}, "takes no options but ssl_ca_certs"),
         ({"spill": "host", "spill_bytes": 100}, "holds no page"),
         ({"spill": "tape"}, "KVPOOL_SPILL"),
     ],
