@@ -12,6 +12,7 @@ from service.config import Settings
 from service.core.hashing import root_hash, token_bytes
 from service.core.tier_index import chain_hashes
 from service.tiers.remote import RemoteStore, encode_value, page_key, value_prefix
+from tests.conftest import free_port
 from tests.tiers.conftest import RedisClusterServers
 from tests.tiers.helpers import PAGE, prompt, run_prompt, same_bits
 from tests.tiers.test_remote_http import GEOMETRY, PAGE_NBYTES, keys_of
@@ -124,3 +125,17 @@ def test_a_moved_slot_is_not_loaded_counted_and_followed(redis_cluster: RedisClu
         assert len(found) == 2 and found[1].tobytes() == pages[1].tobytes()
     finally:
         store.close()
+
+
+def test_a_cluster_down_at_start_up_costs_nothing_but_errors(start_server: Any) -> None:
+    """No seed answers when kvpool starts: it starts, requests go on with the device pool, the
+    tier's failures are counted (redis-py's RedisCluster connects when made: it is made at first use)."""
+    dead = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    server = start_server({"KVPOOL_REMOTE_URL": dead, "KVPOOL_REMOTE_TIMEOUT_S": "0.2"})
+    for i in range(1, 4):
+        assert run_prompt(server.client, f"s{i}", i)[0] == 0
+        time.sleep(1.1)  # past the back-off: the tier is tried again
+    assert metric(server.client, "kvpool_tier_errors_total", "remote") >= 2  # its reads and its writes
+    assert not next(t for t in server.client.get("/v1/pool").json()["tiers"] if t["tier"] == "remote")["up"]
+    server.stop()
+    assert "remote tier failing" in server.output and "service/tiers/" not in server.output
