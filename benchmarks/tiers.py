@@ -13,6 +13,7 @@ import asyncio
 import os
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import tempfile
@@ -74,10 +75,9 @@ class Driver:
         seq = self.state.sequences.create(f"w{self.count}", tokens)
         return seq.seq_id, seq.cached_tokens
 
-    async def written(self, url: str, num_keys: int) -> None:
+    async def written(self, store: "RedisProcess", num_keys: int) -> None:
         """Wait until the store holds num_keys pages (the remote writer runs behind the commits)."""
-        client = redis.Redis.from_url(url)
-        while int(client.dbsize()) < num_keys:  # type: ignore[arg-type]
+        while store.dbsize() < num_keys:
             await asyncio.sleep(0.01)
 
     async def evict_all(self) -> None:
@@ -114,7 +114,7 @@ def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
 async def restore_times(
     state: PoolState,
     a: argparse.Namespace,
-    url: str,
+    store: "RedisProcess",
     ceiling: Callable[[], Any],
     reference: Callable[[], float | None] = lambda: None,
 ) -> list[tuple[float, float, float | None]]:
@@ -130,7 +130,7 @@ async def restore_times(
     for i in range(a.repeat + 1):
         await d.write(i)
         if state.tiers is not None and state.tiers.remote is not None:
-            await d.written(url, (i + 1) * (a.prefix // a.page_size))
+            await d.written(store, (i + 1) * (a.prefix // a.page_size))
         await d.evict_all()
         start = time.perf_counter()
         ceiling()
@@ -211,25 +211,75 @@ async def hit_rate(a: argparse.Namespace, device_pages: int, tiers: dict[str, An
 
 
 class RedisProcess:
-    def __init__(self) -> None:
+    """One redis-server on a free loopback port; with cluster_of=N, N of them joined as a Redis Cluster
+    (ports P whose bus port P + 10000 is free too; the cluster's URL lists them all)."""
+
+    def __init__(self, cluster_of: int = 0) -> None:
         binary = shutil.which("valkey-server") or shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("kvpool bench tiers needs redis-server (or valkey-server) for the remote tier")
-        self.port = free_port()
+        cli = shutil.which("valkey-cli") or shutil.which("redis-cli")
+        if binary is None or (cluster_of and cli is None):
+            raise SystemExit("kvpool bench tiers needs redis-server (and redis-cli for a cluster)")
+        self.ports = [self.free_pair() for _ in range(cluster_of)] if cluster_of else [free_port()]
+        self.port = self.ports[0]
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL)
-        for _ in range(200):
+        if cluster_of:
+            self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        self.dir = tempfile.mkdtemp(prefix="kvpool-bench-redis-")
+        self.procs = []
+        for port in self.ports:
+            args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir]
+            if cluster_of:
+                args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
+            self.procs.append(subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL))
+        try:
+            self.wait(lambda client: client.ping())
+            if cluster_of:
+                assert cli is not None
+                nodes = [f"127.0.0.1:{p}" for p in self.ports]
+                create = [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"]
+                subprocess.run(create, check=True, capture_output=True, timeout=60)
+                self.wait(lambda client: "ok" in str(client.execute_command("CLUSTER INFO")))
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def free_pair() -> int:
+        while True:
+            port = free_port()
+            if port + 10000 < 65536:
+                with socket.socket() as bus:
+                    try:
+                        bus.bind(("127.0.0.1", port + 10000))
+                        return port
+                    except OSError:
+                        pass
+
+    def clients(self) -> list["redis.Redis"]:
+        return [redis.Redis(host="127.0.0.1", port=p) for p in self.ports]
+
+    def wait(self, ready: Callable[["redis.Redis"], Any]) -> None:
+        for _ in range(400):
             try:
-                redis.Redis.from_url(self.url).ping()
-                return
+                if all(ready(client) for client in self.clients()):
+                    return
             except redis.ConnectionError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         raise SystemExit("redis-server did not start")
 
+    def dbsize(self) -> int:
+        return sum(int(client.dbsize()) for client in self.clients())  # type: ignore[arg-type,misc]
+
+    def flush(self) -> None:
+        for client in self.clients():
+            client.flushdb()
+
     def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 async def run(a: argparse.Namespace) -> None:
@@ -244,6 +294,7 @@ async def run(a: argparse.Namespace) -> None:
     ratio = work_pages / device_pages
     print(f"  {device_pages} pages ({a.device_prefixes} prefixes); working set {a.prefixes} prefixes (x{ratio:.1f})")
     store = RedisProcess()
+    cluster: RedisProcess | None = None
     directory = tempfile.mkdtemp(prefix="kvpool-bench-tiers-")
     try:
         configs = {
@@ -251,10 +302,14 @@ async def run(a: argparse.Namespace) -> None:
             "disk": dict(spill="disk", spill_bytes=tier_bytes, spill_path=directory),
             "remote": dict(remote_url=store.url),
             "remote-redispy": dict(remote_url=store.url),
+            "remote-cluster": {},  # (a 3-node cluster, started below if asked for)
         }
         names = [n for n in a.tiers.split(",") if n]
         if unknown := set(names) - set(configs):
             raise SystemExit(f"unknown tiers: {', '.join(sorted(unknown))}")
+        if "remote-cluster" in names:
+            cluster = RedisProcess(cluster_of=3)
+            configs["remote-cluster"] = dict(remote_url=cluster.url)
         value_nbytes = probe.page_nbytes + 150  # the remote value: the page, its token ids, a header
         ceilings = Ceilings(nbytes, directory, store.url, value_nbytes, pages_per_prefix)
         recompute_ms = a.prefix * PREFILL_MS_PER_TOKEN
@@ -275,12 +330,13 @@ async def run(a: argparse.Namespace) -> None:
             for name in names:
                 remote = name.startswith("remote")
                 state = PoolState(settings(a, device_pages, **configs[name]))
-                if name == "remote-redispy":  # the same tier, its reads through redis-py's MGET (as before)
+                if name == "remote-redispy":  # the same tier, its reads through redis-py (pipelined GETEX)
                     assert state.tiers is not None and state.tiers.remote is not None
                     state.tiers.remote.store.reader = None
                 try:
                     ceiling = getattr(ceilings, name.split("-")[0])
-                    pairs = await restore_times(state, a, store.url, ceiling, reference if remote else lambda: None)
+                    on = cluster if name == "remote-cluster" and cluster is not None else store
+                    pairs = await restore_times(state, a, on, ceiling, reference if remote else lambda: None)
                 finally:
                     state.close()
                 restore, ceilings_s = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -295,7 +351,7 @@ async def run(a: argparse.Namespace) -> None:
                     ref_gbs = statistics.median(g for _, g in refs)
                     extra = f"   ({of_bench:.0%} of redis-benchmark at {ref_gbs:.2f} GB/s)"
                 print(f"{name:14} {figures} {speedup:12.1f}x{extra}")
-                redis.Redis.from_url(store.url).flushdb()
+                on.flush()
         finally:
             ceilings.close()
         if not a.requests:
@@ -307,9 +363,11 @@ async def run(a: argparse.Namespace) -> None:
             rate = await hit_rate(a, device_pages, configs[name])
             ratio = f"{rate / alone:.1f}x" if alone else "inf"
             print(f"  with the {name} tier: {rate:.1%} ({ratio} the device alone)")
-            redis.Redis.from_url(store.url).flushdb()
+            store.flush()
     finally:
         store.stop()
+        if cluster is not None:
+            cluster.stop()
         shutil.rmtree(directory, ignore_errors=True)
 
 

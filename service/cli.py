@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     tiers.add_argument(
         "--tiers",
         default="host,disk,remote",
-        help="which to time, comma-separated: host, disk, remote, remote-redispy (its reads through redis-py)",
+        help="which to time, comma-separated: host, disk, remote, remote-redispy (its reads through redis-py), "
+        "remote-cluster (a 3-node Redis Cluster on loopback)",
     )
     tiers.set_defaults(func=lambda a: benchmark("tiers").main(a))
 

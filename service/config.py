@@ -61,7 +61,9 @@ class Settings(BaseSettings):
     )
     spill_bytes: int = Field(2**30, ge=0, description="capacity of the spill tier in bytes")
     spill_path: str = Field("", description="disk spill: the directory of the spill file (a local NVMe)")
-    remote_url: str = Field("", description="the shared tier: redis://host:6379/0 (Redis or Valkey); empty: off")
+    remote_url: str = Field(
+        "", description="the shared tier: redis://host:6379/0 (Redis or Valkey), redis+cluster://h:p,h:p; empty: off"
+    )
     remote_ttl_s: int = Field(3600, ge=1, description="TTL of each page written to the shared tier")
     remote_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False, description="per command to the store")
     remote_queue_pages: int = Field(4096, ge=1, description="pages queued for the shared tier; more are skipped")
@@ -74,8 +76,16 @@ class Settings(BaseSettings):
             raise ValueError("KVPOOL_SPILL=disk needs KVPOOL_SPILL_PATH, a directory for the spill file")
         if self.spill != "none" and self.spill_bytes < self.page_nbytes + 64:
             raise ValueError(f"KVPOOL_SPILL_BYTES={self.spill_bytes} holds no page of {self.page_nbytes} bytes")
-        if self.remote_url and not self.remote_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("KVPOOL_REMOTE_URL must be a redis://, rediss:// or unix:// URL")
+        schemes = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+        if self.remote_url and not self.remote_url.startswith(schemes):
+            raise ValueError("KVPOOL_REMOTE_URL must be a redis://, rediss://, unix:// or redis+cluster:// URL")
+        if self.remote_url.startswith(schemes[3:]):
+            from service.tiers.cluster import parse_cluster_url  # (imports redis-py: only when asked for)
+
+            try:
+                parse_cluster_url(self.remote_url)
+            except ValueError as exc:
+                raise ValueError(f"KVPOOL_REMOTE_URL: {exc}") from None
         return self
 
     @model_validator(mode="before")

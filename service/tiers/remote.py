@@ -6,17 +6,21 @@ Key:   kvpool:v1:<geometry>:<page hash hex>. The page hash chains from the tenan
 Value: magic || geometry || page hash || token ids (int64) || page bytes || CRC-32 of all before it.
        A lookup knows every part but the page bytes, so it loads an entry only if that whole prefix
        is what it expects and the CRC matches; anything else is counted as rejected and ignored.
-Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S, refreshed when a page is written again): the
-       store's size is bounded by the write rate times the TTL even when it is shared with other
-       users and has no maxmemory policy; deploy/ also gives Valkey a maxmemory with allkeys-lru, the
-       hard bound. A TTL rather than only LRU, because a hash names a prefix forever: a stale entry
-       is never wrong, only useless, and the TTL lets unused geometries and tenants age out.
+Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S), and every read that finds an entry sets it again
+       (GETEX ... EX in the read itself, no extra round trip), so a prefix in use never ages out and
+       the store's size is bounded by the rate of new pages times the TTL even when it is shared with
+       other users and has no maxmemory policy; deploy/ also gives Valkey a maxmemory with
+       allkeys-lru, the hard bound. A TTL rather than only LRU, because a hash names a prefix forever:
+       a stale entry is never wrong, only useless, and the TTL lets unused geometries and tenants age out.
 
-Writes go through redis-py's synchronous client (a background batch, pipelined SETs); reads (a
-lookup waits on them) through MgetReader (service.tiers.resp), which receives each value straight into
-its row of one array, on redis:// and unix:// URLs; rediss:// reads through redis-py too. Each command
+Writes go through redis-py (a background batch, pipelined SETs; RedisCluster on a cluster). Reads (a
+lookup waits on them) pipeline GETEX over service.tiers.resp, which receives each value straight into
+its row of one array: one connection on redis://, rediss:// (TLS) and unix:// URLs, one per node on
+redis[s]+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss:// with
+TLS options the reader does not handle (resp.TLS_OPTIONS) reads through redis-py's pipelines instead
+(slower: its parser copies each value). Each command
 is bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a failure is counted, the tier skipped for a second,
-and the next call reconnects.
+and the next call reconnects. Needs Redis >= 6.2 (GETEX) or any Valkey.
 """
 
 import hashlib
@@ -28,15 +32,17 @@ from collections.abc import Sequence
 import numpy as np
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from service.config import Settings
-from service.tiers.resp import MgetReader
+from service.tiers.cluster import ClusterReader, cluster_client, is_cluster_url
+from service.tiers.resp import REDIRECTED, RespConnection
 from service.tiers.stats import TierStats
 
 MAGIC = b"kvpool-remote-v1"
 Page = np.ndarray
-READ_BATCH = 32  # keys per MGET: a lookup stops at the first batch that comes back short
+READ_BATCH = 32  # keys per pipelined batch: a lookup stops at the first batch that comes back short
 FREE_BUFFER_BYTES = 64 << 20  # receive buffers kept for reuse (a 4,096-token prefix of an 8-layer model)
 CRC = struct.Struct("<I")
 
@@ -85,27 +91,45 @@ class RemoteStore:
         self.geometry = geometry(settings)
         self.page_nbytes = page_nbytes
         self.ttl_s = settings.remote_ttl_s
-        timeout = settings.remote_timeout_s
-        self.client = redis.Redis.from_url(
-            settings.remote_url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
-        self.reader = MgetReader(settings.remote_url, timeout) if MgetReader.supports(settings.remote_url) else None
+        self.url, self.timeout = settings.remote_url, settings.remote_timeout_s
+        self.cluster = is_cluster_url(self.url)
+        self._client: redis.Redis | RedisCluster | None = None  # redis-py, made at first use (client())
+        self.reader: RespConnection | ClusterReader | None = None  # None: reads through redis-py
+        if self.cluster:
+            self.reader = ClusterReader(self.url, self.timeout)
+        elif RespConnection.supports(self.url):
+            self.reader = RespConnection.from_url(self.url, self.timeout)
         self._free: list[np.ndarray] = []  # receive buffers for reuse (release())
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the free buffers
+        self._client_lock = threading.Lock()  # the client's creation (both threads use it)
         self.stats = TierStats()
+
+    def client(self) -> "redis.Redis | RedisCluster":
+        """redis-py's client, made at the first call: a RedisCluster connects when it is made, and the
+        store may be down when kvpool starts (then this raises, and the next call tries again)."""
+        with self._client_lock:
+            if self._client is None:
+                if self.cluster:
+                    self._client = cluster_client(self.url, self.timeout)
+                else:
+                    self._client = redis.Redis.from_url(
+                        self.url,
+                        socket_timeout=self.timeout,
+                        socket_connect_timeout=self.timeout,
+                        retry=Retry(NoBackoff(), 0),
+                        health_check_interval=0,
+                    )
+            return self._client
 
     def get(
         self, parent: bytes, data: bytes, page_nbytes: int, skip: int, limit: int
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The pages of `data` (token bytes chained after the page hashed `parent`) from page `skip` on,
         up to `limit` pages, as long as the store holds them intact, and the buffers they lie in (for
-        release() once copied). MGETs of READ_BATCH keys, the next one sent before the reply to the
-        current one is read (two in flight), stopping at the first batch that comes back short; on the
-        caller's thread, not the loop. Raises the client's errors (OSError, redis or RESP errors)."""
+        release() once copied). Pipelined GETEXs in batches of READ_BATCH keys, the next batch sent
+        before the replies to the current one are read (two in flight), stopping at the first batch that
+        comes back short; on the caller's thread, not the loop. Each read refreshes the TTL of what it
+        finds. Raises the client's errors (OSError, redis or RESP errors)."""
         hashes: list[bytes] = []
         tokens: list[bytes] = []
         for i in range(min(limit, len(data) // page_nbytes)):
@@ -118,7 +142,10 @@ class RemoteStore:
         found: list[np.ndarray] = []
         if self.reader is None or not batches:
             for batch_hashes, batch_tokens in batches:
-                values: list[bytes | None] = self.client.mget(self._keys(batch_hashes))  # type: ignore[assignment]
+                pipe = self.client().pipeline(transaction=False)
+                for key in self._keys(batch_hashes):
+                    pipe.getex(key, ex=self.ttl_s)
+                values: list[bytes | None] = pipe.execute()
                 got = self._check(values, batch_hashes, batch_tokens)
                 found += got
                 if len(got) < len(batch_hashes):
@@ -137,11 +164,13 @@ class RemoteStore:
         try:
             for k, (batch_hashes, batch_tokens) in enumerate(batches):
                 while sent < min(k + 2, len(batches)):
-                    reader.send_mget([key.encode() for key in self._keys(batches[sent][0])])
+                    reader.send_getex([key.encode() for key in self._keys(batches[sent][0])], self.ttl_s)
                     sent += 1
                 rows = self._buffer(value_nbytes)
                 buffers.append(rows)
-                sizes = reader.read_mget(len(batch_hashes), rows)
+                sizes = [reader.read_value(rows[i]) for i in range(len(batch_hashes))]
+                if REDIRECTED in sizes:  # the slot moved (a cluster resharding or failover): not loaded
+                    self.stats.errors += 1
                 # (a value of the wrong size was not kept: b"" stands for it, which decode_value rejects)
                 values = [rows[i] if n == value_nbytes else (None if n < 0 else b"") for i, n in enumerate(sizes)]
                 got = self._check(values, batch_hashes, batch_tokens)
@@ -151,7 +180,8 @@ class RemoteStore:
             for pending in batches[k + 1 : sent]:  # the reply sent ahead and not needed: read it off
                 rows = self._buffer(value_nbytes)
                 buffers.append(rows)
-                reader.read_mget(len(pending[0]), rows)
+                for i in range(len(pending[0])):
+                    reader.read_value(rows[i])
         except BaseException:
             self.release(buffers)
             raise
@@ -193,7 +223,7 @@ class RemoteStore:
 
     def put(self, hashes: list[bytes], token_bytes: list[bytes], data: np.ndarray) -> int:
         """SET each page with the TTL, pipelined (one round trip); returns bytes sent."""
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.client().pipeline(transaction=False)
         sent = 0
         for i, (page_hash, tokens) in enumerate(zip(hashes, token_bytes)):
             value = encode_value(value_prefix(self.geometry, page_hash, tokens), data[i].tobytes())
@@ -205,4 +235,5 @@ class RemoteStore:
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
-        self.client.close()
+        if self._client is not None:
+            self._client.close()

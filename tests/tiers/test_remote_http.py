@@ -31,8 +31,8 @@ def wait_for_keys(r: RedisServer, num: int, timeout: float = 20) -> None:
         time.sleep(0.05)
 
 
-def keys_of(tenant: str, i: int) -> list[str]:
-    hashes = chain_hashes(root_hash(tenant), token_bytes(prompt(i)), PAGE * 8)
+def keys_of(tenant: str, i: int, num_pages: int = 4) -> list[str]:
+    hashes = chain_hashes(root_hash(tenant), token_bytes(prompt(i, num_pages)), PAGE * 8)
     return [page_key(GEOMETRY, h) for h in hashes]
 
 
@@ -152,3 +152,17 @@ def test_a_full_write_queue_skips_and_counts(start_server: Any, redis_server: Re
     wait_for_keys(redis_server, 2)
     assert metric(a, "kvpool_tier_skipped_total", "remote") == 4
     assert sorted(k.decode() for k in redis_server.client().keys()) == sorted(keys_of("", 2)[:2])
+
+
+def test_a_hit_refreshes_the_ttl_so_hot_prefixes_stay(start_server: Any, redis_server: RedisServer) -> None:
+    env = {**remote_env(redis_server), "KVPOOL_REMOTE_TTL_S": "4"}
+    a, b, c = (start_server(env).client for _ in range(3))
+    run_prompt(a, "x", 1)
+    wait_for_keys(redis_server, 4)
+    time.sleep(2.2)
+    store = redis_server.client()
+    assert all(store.ttl(k) <= 2 for k in keys_of("", 1))
+    assert run_prompt(b, "y", 1)[0] == 16  # a hit on another instance...
+    assert all(store.ttl(k) > 2 for k in keys_of("", 1))  # ...set every page's TTL again
+    time.sleep(2.2)  # past the first TTL: still there
+    assert run_prompt(c, "z", 1)[0] == 16

@@ -1,0 +1,141 @@
+"""The shared tier on a real Redis Cluster (three redis-server primaries joined by redis-cli) and real
+kvpool servers: sharing across instances to the bit (also over TLS), pages spread over the nodes, a
+poisoned entry rejected, a node killed and restarted mid-workload, and a slot moved under a reader (-MOVED)."""
+
+import time
+from typing import Any
+
+import numpy as np
+import redis
+
+from service.config import Settings
+from service.core.hashing import root_hash, token_bytes
+from service.core.tier_index import chain_hashes
+from service.tiers.remote import RemoteStore, encode_value, page_key, value_prefix
+from tests.conftest import free_port
+from tests.tiers.conftest import RedisClusterServers
+from tests.tiers.helpers import PAGE, prompt, run_prompt, same_bits
+from tests.tiers.test_remote_http import GEOMETRY, PAGE_NBYTES, keys_of
+from tests.tiers.test_spill_http import metric
+
+
+def cluster_env(c: RedisClusterServers) -> dict[str, str]:
+    return {"KVPOOL_REMOTE_URL": c.url, "KVPOOL_REMOTE_TIMEOUT_S": "0.2"}
+
+
+def wait_for(c: RedisClusterServers, keys: list[str], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not set(k.encode() for k in keys) <= set(c.keys()):
+        assert time.monotonic() < deadline, f"{len(c.keys())} keys in the cluster, waiting for {keys}"
+        time.sleep(0.05)
+
+
+def test_a_prefix_written_on_a_is_a_hit_on_b_over_the_cluster(
+    start_server: Any, redis_cluster: RedisClusterServers
+) -> None:
+    a, b = start_server(cluster_env(redis_cluster)).client, start_server(cluster_env(redis_cluster)).client
+    cached, out_a = run_prompt(a, "x", 1, num_pages=8)
+    assert cached == 0
+    keys = keys_of("", 1, num_pages=8)
+    wait_for(redis_cluster, keys)
+    assert sum(1 for p in redis_cluster.ports if redis_cluster.client(p).dbsize()) >= 2  # spread, no hash tag
+    cached, out_b = run_prompt(b, "y", 1, num_pages=8)
+    assert cached == 8 * PAGE  # every page from the cluster, through each node's connection
+    assert same_bits(out_a, out_b)
+    assert metric(b, "kvpool_tier_hits_total", "remote") == 8
+    assert metric(b, "kvpool_tier_errors_total", "remote") == 0
+    # A poisoned entry (right key, another page's token ids) on whichever node holds it: never loaded.
+    hashes = chain_hashes(root_hash(""), token_bytes(prompt(3)), PAGE * 8)
+    toks = [token_bytes(prompt(3)[j * PAGE : (j + 1) * PAGE]) for j in range(4)]
+    data = bytes(PAGE_NBYTES)
+    store = redis_cluster.cluster()
+    store.set(page_key(GEOMETRY, hashes[0]), encode_value(value_prefix(GEOMETRY, hashes[0], toks[0]), data))
+    store.set(page_key(GEOMETRY, hashes[1]), encode_value(value_prefix(GEOMETRY, hashes[1], toks[2]), data))
+    r = b.post("/v1/sequences", json={"token_ids": [*prompt(3), 7]})
+    assert r.status_code == 201 and r.json()["cached_tokens"] == PAGE  # page 0 only
+    assert metric(b, "kvpool_tier_rejected_total", "remote") == 1
+
+
+def test_a_tls_cluster_shares_to_the_bit(start_server: Any, redis_tls_cluster: RedisClusterServers) -> None:
+    """rediss+cluster://: TLS to every node, writes through RedisCluster, reads through kvpool's reader."""
+    a, b = start_server(cluster_env(redis_tls_cluster)).client, start_server(cluster_env(redis_tls_cluster)).client
+    _, out_a = run_prompt(a, "x", 1, num_pages=8)
+    wait_for(redis_tls_cluster, keys_of("", 1, num_pages=8))
+    cached, out_b = run_prompt(b, "y", 1, num_pages=8)
+    assert cached == 8 * PAGE and same_bits(out_a, out_b)
+    assert metric(b, "kvpool_tier_errors_total", "remote") == 0
+
+
+def test_a_node_killed_mid_workload_and_restarted(start_server: Any, redis_cluster: RedisClusterServers) -> None:
+    server_a = start_server(cluster_env(redis_cluster))
+    a = server_a.client
+    run_prompt(a, "x", 1, num_pages=8)
+    wait_for(redis_cluster, keys_of("", 1, num_pages=8))
+    victim = next(p for p in redis_cluster.ports if redis_cluster.client(p).dbsize())
+    redis_cluster.stop(victim)
+    b = start_server(cluster_env(redis_cluster)).client
+    assert run_prompt(b, "y", 1, num_pages=8)[0] < 8 * PAGE  # part of it is gone: no 5xx, a shorter hit
+    for i in range(2, 6):  # no 5xx: the device pool alone
+        assert run_prompt(a, f"s{i}", i)[0] == 0
+        time.sleep(0.3)
+    assert metric(a, "kvpool_tier_errors_total", "remote") >= 1  # its writes failed
+    assert metric(b, "kvpool_tier_errors_total", "remote") >= 1  # its reads failed
+    assert not next(t for t in a.get("/v1/pool").json()["tiers"] if t["tier"] == "remote")["up"]
+    redis_cluster.start(victim)  # the same node (its cluster config kept), empty
+    redis_cluster.wait_ok()
+    time.sleep(1.1)  # the tier's back-off after a failure
+    for i in range(6, 9):
+        run_prompt(a, f"s{i}", i, num_pages=4)
+    wait_for(redis_cluster, keys_of("", 8))  # writes resumed by themselves
+    c = start_server(cluster_env(redis_cluster)).client
+    cached, _ = run_prompt(c, "z", 8)
+    assert cached == 4 * PAGE
+    assert next(t for t in a.get("/v1/pool").json()["tiers"] if t["tier"] == "remote")["up"]
+    server_a.stop()
+    assert "remote tier works again" in server_a.output
+    assert "service/tiers/" not in server_a.output, server_a.output  # no traceback through the tiers
+
+
+def test_a_moved_slot_is_not_loaded_counted_and_followed(redis_cluster: RedisClusterServers) -> None:
+    """A reader whose slot map is stale gets -MOVED: that page is not loaded (the lookup stops short),
+    an error is counted, and the next lookup fetches the map again and finds the page."""
+    store = RemoteStore(Settings(remote_url=redis_cluster.url), 64)
+    try:
+        tokens = token_bytes(prompt(5, num_pages=2))
+        per_page = len(tokens) // 2
+        hashes = chain_hashes(root_hash(""), tokens, per_page)
+        pages = np.arange(128, dtype=np.uint8).reshape(2, 64)
+        store.put(hashes[:1], [tokens[:per_page]], pages[:1])
+        assert len(store.get(root_hash(""), tokens, per_page, 0, 2)[0]) == 1  # the slot map fetched
+        # Page 1's slot (empty so far) handed to another node, then page 1 written there.
+        key = page_key(store.geometry, hashes[1])
+        slot = redis.crc.key_slot(key.encode())
+        cluster = redis_cluster.cluster()
+        owner = cluster.get_node_from_key(key).port
+        target = next(p for p in redis_cluster.ports if p != owner)
+        target_id = redis_cluster.client(target).execute_command("CLUSTER MYID")
+        for port in [target, *(p for p in redis_cluster.ports if p != target)]:
+            redis_cluster.client(port).execute_command("CLUSTER SETSLOT", slot, "NODE", target_id)
+        data = encode_value(value_prefix(store.geometry, hashes[1], tokens[per_page:]), pages[1].tobytes())
+        redis_cluster.client(target).set(key, data)
+        found, buffers = store.get(root_hash(""), tokens, per_page, 0, 2)
+        assert len(found) == 1 and store.stats.errors == 1  # page 1 -MOVED: not loaded, counted
+        store.release(buffers)
+        found, _ = store.get(root_hash(""), tokens, per_page, 0, 2)
+        assert len(found) == 2 and found[1].tobytes() == pages[1].tobytes()
+    finally:
+        store.close()
+
+
+def test_a_cluster_down_at_start_up_costs_nothing_but_errors(start_server: Any) -> None:
+    """No seed answers when kvpool starts: it starts, requests go on with the device pool, the
+    tier's failures are counted (redis-py's RedisCluster connects when made: it is made at first use)."""
+    dead = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    server = start_server({"KVPOOL_REMOTE_URL": dead, "KVPOOL_REMOTE_TIMEOUT_S": "0.2"})
+    for i in range(1, 4):
+        assert run_prompt(server.client, f"s{i}", i)[0] == 0
+        time.sleep(1.1)  # past the back-off: the tier is tried again
+    assert metric(server.client, "kvpool_tier_errors_total", "remote") >= 2  # its reads and its writes
+    assert not next(t for t in server.client.get("/v1/pool").json()["tiers"] if t["tier"] == "remote")["up"]
+    server.stop()
+    assert "remote tier failing" in server.output and "service/tiers/" not in server.output
