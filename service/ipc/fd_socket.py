@@ -118,20 +118,24 @@ class FdServer:
 
     def answer(self, conn: socket.socket) -> None:
         conn.settimeout(TIMEOUT_S)
+        fds: list[int] = []
         try:
             request = json.loads(_read_line(conn) or b"{}")
             key = request.get("api_key") if isinstance(request, dict) else None
             self.authorize(key if isinstance(key, str) else None)
         except KVPoolError as exc:
-            conn.sendall(_line({"error": {"code": exc.code, "message": str(exc)}})[0])
-            return
+            reply = _line({"error": {"code": exc.code, "message": str(exc)}})
         except (OSError, ValueError) as exc:  # a timeout, a reset, not JSON: nothing is sent but this
-            try:
-                conn.sendall(_line({"error": {"code": "invalid_request", "message": str(exc)}})[0])
-            except OSError:
-                pass
-            return
-        socket.send_fds(conn, _line({"instance_id": self.instance_id, "keys": self.keys}), self.fds)
+            reply = _line({"error": {"code": "invalid_request", "message": str(exc)}})
+        else:
+            reply, fds = _line({"instance_id": self.instance_id, "keys": self.keys}), self.fds
+        try:
+            if fds:
+                socket.send_fds(conn, reply, fds)
+            else:
+                conn.sendall(reply[0])
+        except OSError:  # the client left first (a broken pipe, a reset, the timeout): no one to tell
+            pass
 
     def close(self) -> None:
         """Stop serving and remove the socket file and its directory (idempotent)."""
