@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ def engine_main(config: dict[str, Any]) -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
+    spent = time_vllm_parts()
     transfer = None
     if config["kvpool_url"]:
         transfer = KVTransferConfig(
@@ -80,9 +82,14 @@ def engine_main(config: dict[str, Any]) -> None:
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             if connector is not None:
                 connector.wait_for_saves()  # each request meets an idle engine: the saves of the one before are done
+            parts, usage = dict(spent), resource.getrusage(resource.RUSAGE_SELF)
             began = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
             answer: dict[str, Any] = {"s": time.perf_counter() - began, "cached": out.num_cached_tokens}
+            answer["parts"] = {name: spent[name] - parts.get(name, 0.0) for name in spent}
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            answer["faults"] = after.ru_minflt - usage.ru_minflt  # page faults: memory touched afresh
+            answer["preempted"] = after.ru_nivcsw - usage.ru_nivcsw  # involuntary context switches
         else:
             stats = {}
             if connector is not None:
@@ -97,6 +104,38 @@ def engine_main(config: dict[str, Any]) -> None:
             copies = measure_copies(connector, command["finish"]) if connector is not None else {}
             answer = {"stats": stats, "ceiling": ceiling, "copies": copies}
         print("RESULT " + json.dumps(answer), flush=True)
+
+
+def time_vllm_parts() -> dict[str, float]:
+    """Seconds spent so far in parts of vLLM's step (wrapped here, in this process): the model's forward,
+    the rest of execute_model (the connector's start_load_kv and wait_for_save among it), sampling,
+    scheduling (the connector's lookups among it) and the scheduler's update after a step."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    spent: dict[str, float] = {}
+
+    def timed(cls: Any, method: str, name: str) -> None:
+        inner = getattr(cls, method)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
+
+        setattr(cls, method, wrapper)
+
+    for cls, method, name in (
+        (GPUModelRunner, "_model_forward", "forward"),
+        (GPUModelRunner, "execute_model", "execute"),
+        (GPUModelRunner, "sample_tokens", "sample"),
+        (Scheduler, "schedule", "schedule"),
+        (Scheduler, "update_from_output", "update"),
+    ):
+        timed(cls, method, name)
+    return spent
 
 
 def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dict[str, float]:
@@ -337,8 +376,24 @@ def report(
     cold = sorted(col["ttft_alone"])[args.rounds // 2]
     print(f"  per round, with / without the connector: TTFT {spread(ratio['ttft'])}, total {spread(ratio['total'])} "
           f"(target: total <= 1.10)")  # fmt: skip
+    best = {key: min(col[f"{key}_kvpool"]) / min(col[f"{key}_alone"]) for key in ("ttft", "total")}
+    print(f"  best with / best without (the least disturbed request of each): TTFT {best['ttft']:.3f}, "
+          f"total {best['total']:.3f}")  # fmt: skip
     print(f"  kvpool hit / cold TTFT {sorted(hit)[len(hit) // 2] / cold:.3f} (target <= 0.25); kvpool hit / own hit "
           f"{sorted(hit)[len(hit) // 2] / sorted(own)[len(own) // 2]:.2f} (target <= 1.5)")  # fmt: skip
+    for key in ("ttft", "total"):
+        for engine in ("alone", "kvpool"):
+            runs = [row[f"{key}_{engine}"] for row in rounds]
+            parts = {name: sorted(run["parts"][name] for run in runs) for name in runs[0]["parts"]}
+            shown = ", ".join(f"{name} {1000 * v[len(v) // 2]:.1f}" for name, v in parts.items())
+            print(f"  where the {key} request's time goes, {engine:6s} (ms, medians): {shown}")
+    for key in ("ttft", "total"):
+        for what in ("faults", "preempted"):
+            shown = ", ".join(
+                f"{e} {sorted(row[f'{key}_{e}'][what] for row in rounds)[len(rounds) // 2]}"
+                for e in ("alone", "kvpool")
+            )
+            print(f"  {what} per {key} request in the engine's process (medians): {shown}")
     for key in ("ttft", "total"):  # (CPU times tick by 10 ms: means over the rounds)
         extra = sum(row[f"{key}_kvpool"]["cpu_s"] - row[f"{key}_alone"]["cpu_s"] for row in rounds) / len(rounds)
         server = sum(row[f"{key}_kvpool"]["server_cpu_s"] for row in rounds) / len(rounds)
