@@ -10,7 +10,8 @@ machine's drift falls on both alike, and the saving's cost is the median of the 
 fresh engine with the connector (its own prefix cache off) times the kvpool hits. TTFT is the wall time
 of a generate() with one new token; "total" generates --new tokens. A hit's prompt shares all but its
 last 64 tokens with a miss's. Before each timed request the connector's queued saves (of the request
-before) finish: each request meets an idle engine.
+before) finish: each request meets an idle engine. Every engine runs with glibc's malloc thresholds fixed
+(FIXED_MALLOC; `--malloc glibc` leaves glibc's defaults).
 """
 
 import argparse
@@ -27,6 +28,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 SUFFIX = 64
+# glibc's malloc, left to adjust its thresholds, hands vLLM's activations back to the OS and faults them in
+# again: 25,000-80,000 page faults per 2,048-token prefill, a different number in each process (tens of ms
+# between two engines). Fixed thresholds keep them (every engine alike; vLLM's CPU docs preload tcmalloc).
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 def make_model(path: Path, layers: int, hidden: int) -> None:
@@ -180,10 +185,12 @@ def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dic
 class Engine:
     """One engine process (engine_main), alive until close(): requests are timed in it one at a time."""
 
-    def __init__(self, model: str, url: str | None, prefix_caching: bool, prompt_len: int, per_token: int) -> None:
+    def __init__(
+        self, model: str, url: str | None, prefix_caching: bool, prompt_len: int, per_token: int, fixed_malloc: bool
+    ) -> None:
         config = {"model": model, "kvpool_url": url, "prefix_caching": prefix_caching, "token_bytes": per_token}
         config["warmup_tokens"] = prompt_len
-        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(FIXED_MALLOC if fixed_malloc else {})}
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.vllm_connector", "--engine", json.dumps(config)],
@@ -206,10 +213,8 @@ class Engine:
         return self._answer()
 
     def run(self, token_ids: list[int], max_tokens: int) -> dict[str, Any]:
-        """{"s": the wall time of the generate(), "cached": tokens it found cached, "cpu_s": this process's CPU}."""
-        cpu = cpu_seconds(self.proc.pid)
-        answer = self._send({"run": ["", token_ids, max_tokens]})
-        return {**answer, "cpu_s": cpu_seconds(self.proc.pid) - cpu}
+        """{"s": the wall time of the generate(), "cached": tokens it found cached, "parts", "faults", ...}."""
+        return self._send({"run": ["", token_ids, max_tokens]})
 
     def finish(self, copies_of: list[int]) -> dict[str, Any]:
         answer = self._send({"finish": copies_of})
@@ -267,6 +272,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (each on prompts of its own)")
+    parser.add_argument(
+        "--malloc", choices=("fixed", "glibc"), default="fixed",
+        help="fixed: every engine runs with glibc's malloc thresholds fixed (FIXED_MALLOC); glibc: its defaults",
+    )  # fmt: skip
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # JSON: this process is one engine (engine_main)
     args = parser.parse_args()
     if args.engine:
@@ -296,9 +305,9 @@ def main() -> None:
                     time.sleep(0.2)
             # Both engines alive at once, vLLM's own prefix cache on in both; each round times the same fresh
             # prompts on each, in alternating order, so that the machine's drift falls on both alike.
-            alone = Engine(model, None, True, args.prompt, tb)
+            alone = Engine(model, None, True, args.prompt, tb, args.malloc == "fixed")
             engines.append(alone)
-            connected = Engine(model, url, True, args.prompt, tb)
+            connected = Engine(model, url, True, args.prompt, tb, args.malloc == "fixed")
             engines.append(connected)
             rounds = []
             for i in r:
@@ -323,7 +332,7 @@ def main() -> None:
             first = connected.finish(prompts(10, args.prompt)[0])
             # A fresh engine (its own prefix cache off: hits can only come from kvpool) on the prompts that share
             # all but their last 64 tokens with those the connected engine saved.
-            fresh_engine = Engine(model, url, False, args.prompt, tb)
+            fresh_engine = Engine(model, url, False, args.prompt, tb, args.malloc == "fixed")
             engines.append(fresh_engine)
             hits = [fresh_engine.run(prompts(10 + i, args.prompt)[1], 1) for i in r]
             engines.remove(fresh_engine)
@@ -353,7 +362,7 @@ def report(
     kv_heads = max(1, args.hidden // 128)
     print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {args.hidden // 64} query / {kv_heads} KV "
           f"heads of 64, float32; prompt {args.prompt} tokens (shared but the last {SUFFIX}), {args.new} new; "
-          f"vLLM block 32, kvpool page 16; {args.rounds} rounds, medians (min–max)")  # fmt: skip
+          f"vLLM block 32, kvpool page 16; {args.rounds} rounds, medians (min–max); malloc: {args.malloc}")  # fmt: skip
     pressures = " ".join(f"{row['pressure']:.1f}" for row in rounds)
     print(f"  /proc/pressure/cpu some avg10 at each round: {pressures}")
     col = {
@@ -387,6 +396,9 @@ def report(
             parts = {name: sorted(run["parts"][name] for run in runs) for name in runs[0]["parts"]}
             shown = ", ".join(f"{name} {1000 * v[len(v) // 2]:.1f}" for name, v in parts.items())
             print(f"  where the {key} request's time goes, {engine:6s} (ms, medians): {shown}")
+    parts = {name: sorted(h["parts"][name] for h in hits) for name in hits[0]["parts"]}
+    shown = ", ".join(f"{name} {1000 * v[len(v) // 2]:.1f}" for name, v in parts.items())
+    print(f"  where the kvpool hit's time goes (ms, medians; the load is in execute): {shown}")
     for key in ("ttft", "total"):
         for what in ("faults", "preempted"):
             shown = ", ".join(
@@ -395,10 +407,8 @@ def report(
             )
             print(f"  {what} per {key} request in the engine's process (medians): {shown}")
     for key in ("ttft", "total"):  # (CPU times tick by 10 ms: means over the rounds)
-        extra = sum(row[f"{key}_kvpool"]["cpu_s"] - row[f"{key}_alone"]["cpu_s"] for row in rounds) / len(rounds)
         server = sum(row[f"{key}_kvpool"]["server_cpu_s"] for row in rounds) / len(rounds)
-        print(f"  CPU per {key} request, mean: the connector's engine minus vLLM alone's {1000 * extra:.1f} ms; "
-              f"the kvpool server's {1000 * server:.1f} ms")  # fmt: skip
+        print(f"  the kvpool server's CPU per {key} request of the connected engine, mean: {1000 * server:.1f} ms")
     st = first["stats"]
     print(f"  the connected engine's connector (all its requests): {st}")
     for name, phase_result, done, where in (
