@@ -63,7 +63,7 @@ def cpu_writer(cache: torch.Tensor) -> Any:
 
 @pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("page_size", [16, 32, 64, 48])
+@pytest.mark.parametrize("page_size", [16, 32, 64, 48, 8])  # runs of 16 or 32 tokens, and of 8
 @pytest.mark.parametrize("consecutive", [False, True])
 @pytest.mark.parametrize(("first", "last"), [(0, 3), (1, 4), (2, 3), (0, 1)])
 def test_save_and_load_match_a_token_by_token_copy(
