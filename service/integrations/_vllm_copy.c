@@ -148,14 +148,24 @@ static inline void transpose4(const uint32_t *src, Py_ssize_t sstride, uint32_t 
 RUN_COPY(uint32_t)
 RUN_COPY(uint16_t)
 
+/* One run of one layer. Saves go layer by layer (each layer's cache read as one stream), loads run by run
+ * (every layer of a page before the next page): the faster order of each, measured on this machine. */
+#define COPY_ONE(T, r, l)                                                                                    \
+    do {                                                                                                     \
+        const int64_t *run = runs + 4 * (r);                                                                 \
+        T *page = (T *)pool->buf + run[2] * page_stride + (l) * layer_stride + run[3] * H * D;                \
+        run_##T(page, page + L * layer_stride, (T *)caches[l].buf + run[0] * block_stride, run[1], g, H, D, bs, \
+                to_pool);                                                                                    \
+    } while (0)
 #define COPY_LOOP(T)                                                                                         \
-    for (Py_ssize_t r = 0; r < n_runs; r++) {                                                                \
-        const int64_t *run = runs + 4 * r;                                                                   \
-        for (Py_ssize_t l = 0; l < L; l++) {                                                                 \
-            T *page = (T *)pool->buf + run[2] * page_stride + l * layer_stride + run[3] * H * D;              \
-            run_##T(page, page + L * layer_stride, (T *)caches[l].buf + run[0] * block_stride, run[1], g, H, D, \
-                    bs, to_pool);                                                                            \
-        }                                                                                                    \
+    if (to_pool) {                                                                                           \
+        for (Py_ssize_t l = 0; l < L; l++)                                                                   \
+            for (Py_ssize_t r = 0; r < n_runs; r++)                                                          \
+                COPY_ONE(T, r, l);                                                                           \
+    } else {                                                                                                 \
+        for (Py_ssize_t r = 0; r < n_runs; r++)                                                              \
+            for (Py_ssize_t l = 0; l < L; l++)                                                               \
+                COPY_ONE(T, r, l);                                                                           \
     }
 
 static void copy_runs(const Py_buffer *pool, const Py_buffer *caches, const int64_t *runs, Py_ssize_t n_runs,
