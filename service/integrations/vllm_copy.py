@@ -1,7 +1,8 @@
 """K/V copies between vLLM's CPU KV blocks and kvpool's mapped pool, whole pages and blocks at a time.
 
 `KVCopier` does both directions for a worker: with the compiled copy (_vllm_copy.c, built by setup.py)
-one pass over every layer per call, runs of g = gcd(page_size, block_size) tokens, without the GIL
+two passes (the V, then the K) over every layer per call, runs of g = gcd(page_size, block_size) tokens,
+streaming stores where whole lines are written, without the GIL
 (a save on the connector's thread leaves vLLM's Python running); else with the torch ops below.
 
 kvpool's pool is page-major, [num_pages + 1, 2, num_layers, page_size, kv_heads, head_dim]: one layer's K
