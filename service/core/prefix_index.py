@@ -4,7 +4,7 @@
 
 This file is the one definition: setup.py compiles it with Cython (pure-Python mode), and it runs
 unchanged as plain Python where it is not built. SHA-256 is OpenSSL's (called directly when
-compiled, through hashlib otherwise); the probe hash is probe_hash() below, a keyed NH hash.
+compiled, through hashlib otherwise); the probe hash is service/core/probe_hash.py's keyed NH hash.
 
 The index is an open-addressing hash table of page ids, keyed by parent name || the page's token
 bytes, so a probe compares the token ids exactly. A registered page's name (32 bytes) is what its
