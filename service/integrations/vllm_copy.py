@@ -190,11 +190,8 @@ class KVCopier:
 
     def load(self, pool: torch.Tensor, pages: list[int], block_ids: list[int], start: int, end: int) -> None:
         """Tokens [start, end) from the pool (pool.blocks, [P + 1, 2, L, page_size, H, D]) into vLLM's blocks."""
-        if self._raw is not None and NATIVE is not None:
-            g = math.gcd(self.block_size, pool.shape[3])
-            NATIVE.copy(
-                raw(pool), self._raw, run_table(block_ids, self.block_size, pages, pool.shape[3], start, end), g, False
-            )
+        if self._raw is not None:
+            self._copy_native(pool, block_ids, pages, start, end, to_pool=False)
             return
         plan = load_plan(pages, pool.shape[3], block_ids, self.block_size, start, end)
         for layer, write in self.writers.items():
@@ -202,12 +199,17 @@ class KVCopier:
 
     def save(self, pool: torch.Tensor, block_ids: list[int], pages: list[int], start: int, end: int) -> None:
         """Tokens [start, end) from vLLM's blocks into the pool's pages."""
-        if self._raw is not None and NATIVE is not None:
-            g = math.gcd(self.block_size, pool.shape[3])
-            NATIVE.copy(
-                raw(pool), self._raw, run_table(block_ids, self.block_size, pages, pool.shape[3], start, end), g, True
-            )
+        if self._raw is not None:
+            self._copy_native(pool, block_ids, pages, start, end, to_pool=True)
             return
         plan = save_plan(block_ids, self.block_size, pages, pool.shape[3], start, end)
         for layer, cache in self.caches.items():
             save_layer(cache, pool[:, :, layer], plan, self._save_bufs)
+
+    def _copy_native(
+        self, pool: torch.Tensor, block_ids: list[int], pages: list[int], start: int, end: int, to_pool: bool
+    ) -> None:
+        """Either direction through the compiled copy (self._raw is set only where NATIVE is built)."""
+        assert NATIVE is not None and self._raw is not None
+        runs = run_table(block_ids, self.block_size, pages, pool.shape[3], start, end)
+        NATIVE.copy(raw(pool), self._raw, runs, math.gcd(self.block_size, pool.shape[3]), to_pool)
