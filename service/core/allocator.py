@@ -45,8 +45,7 @@ class PageAllocator:
         self._table, self._key_hash, self._hashes, self._is_hashed = prefix_index.new_index(num_pages)
         self._keys: np.ndarray | None = None
         self._seed: np.ndarray | None = None  # the probe hash's secret key (probe_hash.new_seed)
-        self.content_names = content_names
-        self._namer = None if content_names else prefix_index.new_namer()
+        self._namer = None if content_names else prefix_index.new_namer()  # (serial names' state)
         self._index = self._index_arrays()  # the compiled calls over all of these
         self.num_evictions = 0
         # Watchers of the prefix cache (KV events, lower tiers; add_listener): told of every page that
@@ -254,6 +253,11 @@ class PageAllocator:
         """The name a committed page is registered under (None if it is not): with content_names, its
         chained SHA-256 hash."""
         return self._hashes[page].tobytes() if self._is_hashed[page] else None
+
+    @property
+    def content_names(self) -> bool:
+        """Pages are named by their chained SHA-256 hash (else serially)."""
+        return self._namer is None
 
     def add_listener(self, listener: CacheListener) -> None:
         """Tell `listener` of every page entering and leaving the index from now on. Listeners get

@@ -25,10 +25,10 @@ class PoolState:
         self.settings = settings
         self.instance_id = uuid.uuid4().hex
         self.storage = Storage(settings, self.instance_id)
+        events_on, tiers_on = bool(settings.kv_events_endpoint), settings.spill != "none" or bool(settings.remote_url)
         # KV events and the tiers name pages by their chained SHA-256 hash; without them, serial names
         # spare every miss its hashing (service/core/prefix_index.py).
-        content_names = bool(settings.kv_events_endpoint) or settings.spill != "none" or bool(settings.remote_url)
-        self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching, content_names)
+        self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching, events_on or tiers_on)
         self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
         self.engine = Engine(self.storage, settings.attention_backend)
         self.ipc_socket: FdServer | None = None  # memfd pools: where frontends get the descriptors
@@ -36,9 +36,9 @@ class PoolState:
         self.events: EventPublisher | None = None
         self.tiers: Tiers | None = None
         try:
-            if settings.kv_events_endpoint:
+            if events_on:
                 self.events = start_events(self)
-            if settings.spill != "none" or settings.remote_url:
+            if tiers_on:
                 self.tiers = Tiers(self)
         except BaseException:  # e.g. the events port is taken: give back what is built (threads, the pool)
             if self.events is not None:
