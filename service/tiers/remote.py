@@ -174,9 +174,8 @@ class RemoteStore:
                     redirected |= n == REDIRECTED  # the slot moved (a resharding or failover): not loaded
                     if intact:  # checked as it arrives, while it is in the cache (after the batch, it was not)
                         # (a value of the wrong size was not kept: b"" stands for it, which decode_value rejects)
-                        got = self._check_one(
-                            rows[i] if n == value_nbytes else (None if n < 0 else b""), i, batch_hashes, batch_tokens
-                        )
+                        value = rows[i] if n == value_nbytes else (None if n < 0 else b"")
+                        got = self._check_one(value, batch_hashes[i], batch_tokens[i])
                         intact = got is not None
                         if got is not None:
                             found.append(got)
@@ -201,18 +200,16 @@ class RemoteStore:
     ) -> list[np.ndarray]:
         """The leading run of `values` that are the entries of `hashes` intact (counting a wrong one)."""
         found: list[np.ndarray] = []
-        for i, value in enumerate(values):
-            data = self._check_one(value, i, hashes, token_bytes)
+        for value, page_hash, tokens in zip(values, hashes, token_bytes):
+            data = self._check_one(value, page_hash, tokens)
             if data is None:
                 break
             found.append(data)
         return found
 
-    def _check_one(
-        self, value: bytes | np.ndarray | None, i: int, hashes: list[bytes], token_bytes: list[bytes]
-    ) -> np.ndarray | None:
-        """The page bytes of `value` if it is the entry of hashes[i] intact, else None (a wrong one counted)."""
-        data = decode_value(value, value_prefix(self.geometry, hashes[i], token_bytes[i]), self.page_nbytes)
+    def _check_one(self, value: bytes | np.ndarray | None, page_hash: bytes, tokens: bytes) -> np.ndarray | None:
+        """The page bytes of `value` if it is the entry of `page_hash` intact, else None (a wrong one counted)."""
+        data = decode_value(value, value_prefix(self.geometry, page_hash, tokens), self.page_nbytes)
         if data is None and value is not None:
             self.stats.rejected += 1
         return data
