@@ -1,6 +1,7 @@
 """The shared tier on a real Redis Cluster (three redis-server primaries joined by redis-cli) and real
 kvpool servers: sharing across instances to the bit (also over TLS), pages spread over the nodes, a
-poisoned entry rejected, a node killed and restarted mid-workload, and a slot moved under a reader (-MOVED)."""
+poisoned entry rejected, a node killed and restarted mid-workload, a slot moved under a reader (-MOVED), and a key migrating
+away mid-resharding (-ASK)."""
 
 import time
 from typing import Any
@@ -139,3 +140,40 @@ def test_a_cluster_down_at_start_up_costs_nothing_but_errors(start_server: Any) 
     assert not next(t for t in server.client.get("/v1/pool").json()["tiers"] if t["tier"] == "remote")["up"]
     server.stop()
     assert "remote tier failing" in server.output and "service/tiers/" not in server.output
+
+
+def test_a_key_migrating_away_is_not_loaded_counted_and_found_once_moved(redis_cluster: RedisClusterServers) -> None:
+    """A slot in the middle of a resharding: its key already moved to the importing node, the old
+    owner answers -ASK. The page is not loaded (the reader does not follow ASK: the entry is in
+    flight), an error is counted and the slot map fetched again; once the slot is handed over, the
+    next lookup goes to the new owner and finds the page."""
+    store = RemoteStore(Settings(remote_url=redis_cluster.url), 64)
+    try:
+        tokens = token_bytes(prompt(6, num_pages=2))
+        per_page = len(tokens) // 2
+        hashes = chain_hashes(root_hash(""), tokens, per_page)
+        pages = np.arange(128, dtype=np.uint8).reshape(2, 64) ^ 0x5A
+        store.put(hashes, [tokens[:per_page], tokens[per_page:]], pages)
+        assert len(store.get(root_hash(""), tokens, per_page, 0, 2)[0]) == 2  # the slot map fetched
+        key = page_key(store.geometry, hashes[1])
+        slot = redis.crc.key_slot(key.encode())
+        owner = redis_cluster.cluster().get_node_from_key(key).port
+        target = next(p for p in redis_cluster.ports if p != owner)
+        source, dest = redis_cluster.client(owner), redis_cluster.client(target)
+        source_id, target_id = source.execute_command("CLUSTER MYID"), dest.execute_command("CLUSTER MYID")
+        dest.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", source_id)
+        source.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", target_id)
+        source.execute_command("MIGRATE", "127.0.0.1", target, key, 0, 5000)
+        asking = dest.pipeline(transaction=False)  # (the importing node serves the key only after ASKING)
+        assert asking.execute_command("ASKING").exists(key).execute() == [True, 1]
+        found, buffers = store.get(root_hash(""), tokens, per_page, 0, 2)
+        assert len(found) == 1 and store.stats.errors == 1  # page 1 -ASK: not loaded, counted
+        assert found[0].tobytes() == pages[0].tobytes()
+        store.release(buffers)
+        for port in redis_cluster.ports:  # the migration finished: every node names the target
+            redis_cluster.client(port).execute_command("CLUSTER SETSLOT", slot, "NODE", target_id)
+        found, _ = store.get(root_hash(""), tokens, per_page, 0, 2)  # on the map fetched after the -ASK
+        assert len(found) == 2 and found[1].tobytes() == pages[1].tobytes()
+        assert store.stats.errors == 1 and store.stats.rejected == 0
+    finally:
+        store.close()
