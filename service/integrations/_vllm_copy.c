@@ -7,7 +7,13 @@
  *         then V ([block_size, D]), vLLM 0.32's CPU attention layout (checked at start by vllm_layout)
  * runs:   int64 [n, 4]: (block, offset in block, page, offset in page) of each run of `g` tokens
  *
- * Every argument and every run is checked before anything is copied, so a failure writes nothing. */
+ * Every argument and every run is checked before anything is copied, so a failure writes nothing.
+ *
+ * Two builds of the per-run copies: a wide one (AVX-512, where the CPU has it: K transposed 16 x 16 floats in
+ * registers, every store a whole 64-byte line) for 4-byte items whose shapes and buffers suit it, else a
+ * narrow one (SSE2 and scalar: any shape, 2-byte items). Measured on an AMD EPYC (Zen 5), one thread, 33 MB:
+ * the narrow load's K pass moved its bytes at ~45 % of a plain copy's rate (V ~95 %): its 4 x 4 transposes
+ * and staging cost more instructions than the memory takes time; the wide load runs at ~95-110 % of a torch copy. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -152,42 +158,140 @@ static inline void transpose4(const uint32_t *src, Py_ssize_t sstride, uint32_t 
 RUN_COPY(uint32_t)
 RUN_COPY(uint16_t)
 
+/* The wide build: AVX-512F, compiled for the functions below only and taken where the CPU has it (checked
+ * once at import), for 4-byte items with head_dim, block_size and g multiples of 16 and every buffer
+ * 64-byte aligned (then every row and run starts on a line). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_WIDE 1
+#define WIDE __attribute__((target("avx512f")))
+
+/* r[0..15], 16 rows of 16 floats -> the transpose (r[j][i] = the old r[i][j]): pairs unpacked, then 4 x 4
+ * blocks within 128-bit lanes, then lanes exchanged in two rounds. */
+WIDE static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    }
+}
+
+/* run_v / run_k of the narrow build, for 4-byte items: the same runs, the same order of V rows. K: per
+ * 16 tokens, head and 16 of head_dim, 16 lines read and 16 whole lines streamed. */
+WIDE static void run_v_wide(uint32_t *restrict page_v, uint32_t *restrict block, Py_ssize_t off, Py_ssize_t g,
+                            Py_ssize_t H, Py_ssize_t D, Py_ssize_t bs, int to_pool) {
+    const Py_ssize_t row = H * D, hs = bs * 2 * D;
+    for (Py_ssize_t t = 0; t < g; t++)
+        for (Py_ssize_t h = 0; h < H; h++) {
+            float *v = (float *)(block + h * hs + bs * D + (off + t) * D), *pv = (float *)(page_v + t * row + h * D);
+            float *dst = to_pool ? pv : v, *src = to_pool ? v : pv;
+            for (Py_ssize_t d = 0; d < D; d += 16)
+                _mm512_stream_ps(dst + d, _mm512_load_ps(src + d));
+        }
+}
+
+WIDE static void run_k_wide(uint32_t *restrict page_k, uint32_t *restrict block, Py_ssize_t off, Py_ssize_t g,
+                            Py_ssize_t H, Py_ssize_t D, Py_ssize_t bs, int to_pool) {
+    const Py_ssize_t row = H * D, hs = bs * 2 * D;
+    for (Py_ssize_t t0 = 0; t0 < g; t0 += 16)
+        for (Py_ssize_t h = 0; h < H; h++)
+            for (Py_ssize_t d0 = 0; d0 < D; d0 += 16) {
+                /* pk: [16 tokens][row] from (t0, h, d0); k: [16 of head_dim][bs] from (d0, off + t0) */
+                float *pk = (float *)(page_k + t0 * row + h * D + d0), *k = (float *)(block + h * hs + d0 * bs + off + t0);
+                const Py_ssize_t src_stride = to_pool ? bs : row, dst_stride = to_pool ? row : bs;
+                float *src = to_pool ? k : pk, *dst = to_pool ? pk : k;
+                __m512 r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = _mm512_load_ps(src + i * src_stride);
+                transpose16(r);
+                for (int i = 0; i < 16; i++)
+                    _mm512_stream_ps(dst + i * dst_stride, r[i]);
+            }
+}
+
+static int cpu_has_wide(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+}
+#else
+#define HAVE_WIDE 0
+static int cpu_has_wide(void) { return 0; }
+#endif
+static int has_wide; /* set at import */
+
 /* All the V, then all the K (measured: interleaved per run, the two took twice the time they take apart);
  * saves layer by layer (each layer's cache read as one stream), loads page by page. */
-#define COPY_ONE(T, part, r, l)                                                                              \
+#define COPY_ONE(T, RUN_K, RUN_V, part, r, l)                                                                \
     do {                                                                                                     \
         const int64_t *run = runs + 4 * (r);                                                                 \
         T *page = (T *)pool->buf + run[2] * page_stride + (l) * layer_stride + run[3] * H * D;                \
         T *block = (T *)caches[l].buf + run[0] * block_stride;                                               \
         if (part)                                                                                            \
-            run_k_##T(page, block, run[1], g, H, D, bs, to_pool);                                            \
+            RUN_K(page, block, run[1], g, H, D, bs, to_pool);                                                \
         else                                                                                                 \
-            run_v_##T(page + L * layer_stride, block, run[1], g, H, D, bs, to_pool);                         \
+            RUN_V(page + L * layer_stride, block, run[1], g, H, D, bs, to_pool);                             \
     } while (0)
-#define COPY_LOOP(T)                                                                                         \
+#define COPY_LOOP(T, RUN_K, RUN_V)                                                                           \
     for (int part = 0; part < 2; part++) {                                                                   \
         if (to_pool) {                                                                                       \
             for (Py_ssize_t l = 0; l < L; l++)                                                               \
                 for (Py_ssize_t r = 0; r < n_runs; r++)                                                      \
-                    COPY_ONE(T, part, r, l);                                                                 \
+                    COPY_ONE(T, RUN_K, RUN_V, part, r, l);                                                   \
         } else {                                                                                             \
             for (Py_ssize_t r = 0; r < n_runs; r++)                                                          \
                 for (Py_ssize_t l = 0; l < L; l++)                                                           \
-                    COPY_ONE(T, part, r, l);                                                                 \
+                    COPY_ONE(T, RUN_K, RUN_V, part, r, l);                                                   \
         }                                                                                                    \
     }
 
+static int aligned64(const void *p) { return ((uintptr_t)p & 63) == 0; }
+
+/* Whether the wide build can take this copy (see HAVE_WIDE). */
+static int suits_wide(const Py_buffer *pool, const Py_buffer *caches, Py_ssize_t n_caches, Py_ssize_t g) {
+    const Py_ssize_t D = pool->shape[5], bs = caches[0].shape[2];
+    if (!has_wide || pool->itemsize != 4 || D % 16 || g % 16 || bs % 16 || !aligned64(pool->buf))
+        return 0;
+    for (Py_ssize_t i = 0; i < n_caches; i++)
+        if (!aligned64(caches[i].buf))
+            return 0;
+    return 1;
+}
+
 static void copy_runs(const Py_buffer *pool, const Py_buffer *caches, const int64_t *runs, Py_ssize_t n_runs,
-                      Py_ssize_t g, int to_pool) {
+                      Py_ssize_t g, int to_pool, int wide) {
     const Py_ssize_t L = pool->shape[2], ps = pool->shape[3], H = pool->shape[4], D = pool->shape[5];
     const Py_ssize_t bs = caches[0].shape[2];
     const Py_ssize_t layer_stride = ps * H * D, page_stride = 2 * L * layer_stride;
     const Py_ssize_t block_stride = H * bs * 2 * D;
-    (void)ps;
+#if HAVE_WIDE
+    if (wide) {
+        COPY_LOOP(uint32_t, run_k_wide, run_v_wide)
+        FENCE();
+        return;
+    }
+#else
+    (void)wide;
+#endif
     if (pool->itemsize == 4) {
-        COPY_LOOP(uint32_t)
+        COPY_LOOP(uint32_t, run_k_uint32_t, run_v_uint32_t)
     } else {
-        COPY_LOOP(uint16_t)
+        COPY_LOOP(uint16_t, run_k_uint16_t, run_v_uint16_t)
     }
     FENCE(); /* the streamed stores are visible to other threads (the reader of the pool or the cache) after this */
 }
@@ -195,8 +299,8 @@ static void copy_runs(const Py_buffer *pool, const Py_buffer *caches, const int6
 static PyObject *copy(PyObject *self, PyObject *args) {
     PyObject *pool_obj, *caches_obj, *runs_obj;
     Py_ssize_t g;
-    int to_pool;
-    if (!PyArg_ParseTuple(args, "OOOnp", &pool_obj, &caches_obj, &runs_obj, &g, &to_pool))
+    int to_pool, wide = 1;
+    if (!PyArg_ParseTuple(args, "OOOnp|p", &pool_obj, &caches_obj, &runs_obj, &g, &to_pool, &wide))
         return NULL;
     PyObject *seq = PySequence_Fast(caches_obj, "caches: expected a sequence of arrays");
     if (seq == NULL)
@@ -248,10 +352,11 @@ static PyObject *copy(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    wide = wide && suits_wide(&pool, caches, n_caches, g);
     Py_BEGIN_ALLOW_THREADS
-    copy_runs(&pool, caches, runs.buf, n_runs, g, to_pool);
+    copy_runs(&pool, caches, runs.buf, n_runs, g, to_pool, wide);
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
+    result = PyBool_FromLong(wide);
 done:
     for (Py_ssize_t i = 0; i < got; i++)
         if (caches[i].obj != NULL)
@@ -267,11 +372,19 @@ done:
 
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS,
-     "copy(pool, caches, runs, g, to_pool): copy the runs of g tokens of every layer, vLLM blocks -> pool pages "
-     "(to_pool) or back"},
+     "copy(pool, caches, runs, g, to_pool, wide=True): copy the runs of g tokens of every layer, vLLM blocks -> "
+     "pool pages (to_pool) or back; True if the wide build did (wide=False: the narrow one, always)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_vllm_copy", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__vllm_copy(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__vllm_copy(void) {
+    has_wide = HAVE_WIDE && cpu_has_wide();
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "WIDE", has_wide) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

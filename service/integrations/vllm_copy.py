@@ -3,7 +3,10 @@
 `KVCopier` does both directions for a worker: with the compiled copy (_vllm_copy.c, built by setup.py)
 two passes (the V, then the K) over every layer per call, runs of g = gcd(page_size, block_size) tokens,
 streaming stores where whole lines are written, without the GIL
-(a save on the connector's thread leaves vLLM's Python running); else with the torch ops below.
+(a save on the connector's thread leaves vLLM's Python running); else with the torch ops below. The
+compiled copy has a wide build (AVX-512, float32 pools, head_dim / block / g multiples of 16, 64-byte
+aligned buffers: K transposed 16 x 16 in registers), taken where the CPU and the shapes allow, and a
+narrow one (SSE2 and scalar) for everything else; `wide=False` forces the narrow one (tests).
 
 kvpool's pool is page-major, [num_pages + 1, 2, num_layers, page_size, kv_heads, head_dim]: one layer's K
 (or V) of a page is a contiguous [page_size, H, D], token-major. One layer's vLLM CPU block is
@@ -174,9 +177,15 @@ class KVCopier:
     its attention backend's cache writer (the torch path's loads store with it)."""
 
     def __init__(
-        self, caches: dict[int, torch.Tensor], writers: dict[int, Writer], block_size: int, native: bool = True
+        self,
+        caches: dict[int, torch.Tensor],
+        writers: dict[int, Writer],
+        block_size: int,
+        native: bool = True,
+        wide: bool = True,
     ) -> None:
-        self.caches, self.writers, self.block_size = caches, writers, block_size
+        self.caches, self.writers, self.block_size, self._wide = caches, writers, block_size, wide
+        self.wide_used = False  # whether the last compiled copy took the wide build
         layers = [caches[i] for i in range(len(caches))]
         use = (
             native and NATIVE is not None and all(c.device.type == "cpu" and c.element_size() in (2, 4) for c in layers)
@@ -212,4 +221,5 @@ class KVCopier:
         """Either direction through the compiled copy (self._raw is set only where NATIVE is built)."""
         assert NATIVE is not None and self._raw is not None
         runs = run_table(block_ids, self.block_size, pages, pool.shape[3], start, end)
-        NATIVE.copy(raw(pool), self._raw, runs, math.gcd(self.block_size, pool.shape[3]), to_pool)
+        g = math.gcd(self.block_size, pool.shape[3])
+        self.wide_used = NATIVE.copy(raw(pool), self._raw, runs, g, to_pool, self._wide)

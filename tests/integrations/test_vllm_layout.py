@@ -61,18 +61,20 @@ def cpu_writer(cache: torch.Tensor) -> Any:
     return write
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("build", ["wide", "narrow", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 48, 8])  # runs of 16 or 32 tokens, and of 8
 @pytest.mark.parametrize("consecutive", [False, True])
 @pytest.mark.parametrize(("first", "last"), [(0, 3), (1, 4), (2, 3), (0, 1)])
 def test_save_and_load_match_a_token_by_token_copy(
-    native: bool, dtype: torch.dtype, page_size: int, consecutive: bool, first: int, last: int
+    build: str, dtype: torch.dtype, page_size: int, consecutive: bool, first: int, last: int
 ) -> None:
     """The tokens of pages [first, last) of a sequence go from vLLM blocks (32) into pool pages and back,
-    exactly, and nothing else in the pool or the blocks changes; ids scattered or consecutive."""
+    exactly, and nothing else in the pool or the blocks changes; ids scattered or consecutive. "wide": the
+    compiled copy's AVX-512 build where the CPU has it and the shapes suit it (float32, runs of 16 or 32)."""
     from service.integrations.vllm_copy import NATIVE, KVCopier
 
+    native, wide = build != "torch", build == "wide"
     start, end = first * page_size, last * page_size  # the connector saves and loads whole pages
     if native and NATIVE is None:
         pytest.fail("service/integrations/_vllm_copy.c is not built (python setup.py build_ext --inplace)")
@@ -94,20 +96,50 @@ def test_save_and_load_match_a_token_by_token_copy(
         k, v = kv_views(cache)
         expected[in_pages[0], 0, layer, in_pages[1]] = k[in_blocks[0], :, in_blocks[1]]
         expected[in_pages[0], 1, layer, in_pages[1]] = v[in_blocks[0], :, in_blocks[1]]
-    copier = KVCopier(dict(enumerate(caches)), {}, block, native=native)
+    copier = KVCopier(dict(enumerate(caches)), {}, block, native=native, wide=wide)
     assert copier.native == native
+    takes_wide = wide and bool(NATIVE and NATIVE.WIDE) and dtype == torch.float32 and page_size % 16 == 0
     for _ in range(2):  # the second time through reused buffers
         copier.save(pool, block_ids, pages, start, end)
         assert torch.equal(pool, expected)
+        assert copier.wide_used == takes_wide
     loaded = [torch.zeros_like(cache) for cache in caches]
     writers = {layer: cpu_writer(cache) for layer, cache in enumerate(loaded)}
-    KVCopier(dict(enumerate(loaded)), writers, block, native=native).load(pool, pages, block_ids, start, end)
+    loader = KVCopier(dict(enumerate(loaded)), writers, block, native=native, wide=wide)
+    loader.load(pool, pages, block_ids, start, end)
+    assert loader.wide_used == takes_wide
     for cache, original in zip(loaded, caches, strict=True):
         (k, v), (k0, v0) = kv_views(cache), kv_views(original)
         assert torch.equal(k[in_blocks[0], :, in_blocks[1]], k0[in_blocks[0], :, in_blocks[1]])
         assert torch.equal(v[in_blocks[0], :, in_blocks[1]], v0[in_blocks[0], :, in_blocks[1]])
         copied = k0[in_blocks[0], :, in_blocks[1]], v0[in_blocks[0], :, in_blocks[1]]
         assert int((cache != 0).sum()) == sum(int((x != 0).sum()) for x in copied)  # nothing else written
+
+
+def test_buffers_off_64_byte_lines_take_the_narrow_build_exactly() -> None:
+    """A pool and caches that start 4 bytes into a line (views into larger buffers): the wide build's
+    stores need whole lines, so the narrow build copies them, to the same result."""
+    from service.integrations.vllm_copy import NATIVE, KVCopier
+
+    if NATIVE is None:
+        pytest.fail("service/integrations/_vllm_copy.c is not built (python setup.py build_ext --inplace)")
+    gen = torch.Generator().manual_seed(7)
+    layers, heads, d, block, page_size = 2, 2, 32, 32, 16
+    sources = [torch.randn(6, heads, block, 2 * d, generator=gen) for _ in range(layers)]
+
+    def placed(tensor: torch.Tensor, shifted: bool) -> torch.Tensor:
+        """A copy of `tensor`, 4 bytes past torch's 64-byte aligned start if shifted."""
+        flat = torch.empty(1 + tensor.numel())
+        return flat[int(shifted) : int(shifted) + tensor.numel()].view(tensor.shape).copy_(tensor)
+
+    pools = []
+    for shifted in (False, True):
+        pool = placed(torch.zeros(9, 2, layers, page_size, heads, d), shifted)
+        copier = KVCopier({i: placed(c, shifted) for i, c in enumerate(sources)}, {}, block)
+        copier.save(pool, [3, 1, 4], [2, 7, 1, 8, 5, 6], 0, 96)
+        assert copier.wide_used == (not shifted and bool(NATIVE.WIDE))
+        pools.append(pool)
+    assert torch.equal(pools[0], pools[1]) and int(pools[0].count_nonzero()) == 96 * layers * 2 * heads * d
 
 
 def test_the_compiled_copy_checks_every_run_before_it_writes() -> None:
