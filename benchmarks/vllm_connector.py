@@ -28,6 +28,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 SUFFIX = 64
+FLUSH_BYTES = 128 << 20  # written between cold copies: larger than the last-level cache
 # glibc's malloc, left to adjust its thresholds, hands vLLM's activations back to the OS and faults them in
 # again: 25,000-80,000 page faults per 2,048-token prefill, a different number in each process (tens of ms
 # between two engines). Fixed thresholds keep them (every engine alike; vLLM's CPU docs preload tcmalloc).
@@ -59,6 +60,7 @@ def engine_main(config: dict[str, Any]) -> None:
     {"s", "cached"} (the wall time of its generate()); {"finish": token_ids} answers the connector's counters,
     the copy ceiling and (given token_ids whose pages kvpool holds) the connector's copies."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -79,7 +81,8 @@ def engine_main(config: dict[str, Any]) -> None:
     warm = [TokensPrompt(prompt_token_ids=[3 + i % 1000 for i in range(config["warmup_tokens"])])]
     llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
     connector: Any = get_kv_transfer_group() if has_kv_transfer_group() else None  # a KVPoolConnector
-    print("RESULT " + json.dumps({"ready": True}), flush=True)
+    # The warm-up's loads (a fresh engine finds its prompt in kvpool): the process's first copies.
+    print("RESULT " + json.dumps({"ready": True, "stats": load_stats(connector)}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if "run" in command:
@@ -88,9 +91,12 @@ def engine_main(config: dict[str, Any]) -> None:
             if connector is not None:
                 connector.wait_for_saves()  # each request meets an idle engine: the saves of the one before are done
             parts, usage = dict(spent), resource.getrusage(resource.RUSAGE_SELF)
+            loads = load_stats(connector)
             began = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
             answer: dict[str, Any] = {"s": time.perf_counter() - began, "cached": out.num_cached_tokens}
+            # This request's loads (done within its steps: the forward waits for them).
+            answer["loads"] = {k: v - loads[k] for k, v in load_stats(connector).items()}
             answer["parts"] = {name: spent[name] - parts.get(name, 0.0) for name in spent}
             after = resource.getrusage(resource.RUSAGE_SELF)
             answer["faults"] = after.ru_minflt - usage.ru_minflt  # page faults: memory touched afresh
@@ -107,8 +113,14 @@ def engine_main(config: dict[str, Any]) -> None:
             # The copy ceiling in this process, now (the machine's load changes from one minute to the next).
             ceiling = copy_ceiling(config["warmup_tokens"] * config["token_bytes"])
             copies = measure_copies(connector, command["finish"]) if connector is not None else {}
-            answer = {"stats": stats, "ceiling": ceiling, "copies": copies}
+            answer = {"stats": stats, "ceiling": ceiling, "copies": copies, "threads": torch.get_num_threads()}
         print("RESULT " + json.dumps(answer), flush=True)
+
+
+def load_stats(connector: Any) -> dict[str, int]:
+    """The connector's load counters so far: tokens loaded and ns spent copying them."""
+    stats = connector.stats if connector is not None else {}
+    return {key: stats.get(key, 0) for key in ("loaded_tokens", "load_copy_ns")}
 
 
 def time_vllm_parts() -> dict[str, float]:
@@ -143,11 +155,14 @@ def time_vllm_parts() -> dict[str, float]:
     return spent
 
 
-def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dict[str, float]:
+def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dict[str, Any]:
     """Seconds (best of `repeat`) of the connector's load and save of the cached pages of `token_ids`, and of a
-    plain torch copy of as many bytes, back to back on the connector's own thread. The load writes into
-    vLLM's first blocks (the engine is idle, its prefix cache off) and the save writes them back into the
-    same pages: the same bytes, so kvpool's cache is unchanged. Pinned by a sequence meanwhile."""
+    plain torch copy of as many bytes, back to back on the connector's own thread (one intra-op thread, as
+    its copies run). The load writes into vLLM's first blocks (the engine is idle, its prefix cache off) and
+    the save writes them back into the same pages: the same bytes, so kvpool's cache is unchanged. Pinned by
+    a sequence meanwhile. Each is timed warm (repeated back to back: the last-level cache keeps part of the
+    bytes of the repetition before; 33 MB here, 32 MB of L3 on this machine's EPYC) and cold (FLUSH_BYTES
+    written before each repetition, so none of them is cached: as a load meets the pool in a step)."""
     import torch
 
     link, copier = connector._link, connector._copier  # (internals: this is a benchmark)
@@ -155,11 +170,14 @@ def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dic
     n = info.cached_tokens // connector._block_size * connector._block_size
     pages, blocks = info.block_table, list(range(1, 1 + -(-n // connector._block_size)))  # (0: vLLM's null block)
     pool = link.pool.blocks
+    flush = torch.empty(FLUSH_BYTES // 4)
 
-    def best(fn: Any) -> float:
+    def best(fn: Any, cold: bool) -> float:
         def timed() -> float:
             fastest = float("inf")
             for _ in range(repeat):
+                if cold:
+                    flush.fill_(1.0)
                 began = time.perf_counter()
                 fn()
                 fastest = min(fastest, time.perf_counter() - began)
@@ -169,15 +187,17 @@ def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dic
 
     nbytes = n * pool[0].numel() // pool.shape[3] * pool.element_size()
     src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    fns = {
+        "load": lambda: copier.load(pool, pages, blocks, 0, n),
+        "save": lambda: copier.save(pool, blocks, pages, 0, n),
+        "copy": lambda: dst.copy_(src),
+    }
     try:
-        return {
-            "tokens": n,
-            "bytes": nbytes,
-            "load_s": best(lambda: copier.load(pool, pages, blocks, 0, n)),
-            "save_s": best(lambda: copier.save(pool, blocks, pages, 0, n)),
-            "copy_s": best(lambda: dst.copy_(src)),
-            "native": copier.native,
-        }
+        result: dict[str, Any] = {"tokens": n, "bytes": nbytes, "native": copier.native}
+        for cold in (False, True):
+            result.update({f"{name}{'_cold' if cold else ''}_s": best(fn, cold) for name, fn in fns.items()})
+        result["wide"] = copier.wide_used
+        return result
     finally:
         link.client.free("bench-copies")
 
@@ -196,7 +216,7 @@ class Engine:
             [sys.executable, "-m", "benchmarks.vllm_connector", "--engine", json.dumps(config)],
             cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
         )  # fmt: skip
-        self._answer()  # ready
+        self.ready = self._answer()  # {"ready", "stats": the warm-up's loads}
 
     def _answer(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -337,12 +357,18 @@ def main() -> None:
             hits = [fresh_engine.run(prompts(10 + i, args.prompt)[1], 1) for i in r]
             engines.remove(fresh_engine)
             fresh = fresh_engine.finish(prompts(10, args.prompt)[1])
+            fresh["warmup_loads"] = fresh_engine.ready["stats"]
         finally:
             for engine in engines:
                 engine.close()
             server.terminate()
             server.wait(30)
     report(args, rounds, hits, alone_result, first, fresh)
+
+
+def shares(rate: float, ceilings: dict[str, float]) -> str:
+    """`rate` as a share of each ceiling."""
+    return ", ".join(f"{rate / c:.0%} of {what}" for what, c in ceilings.items())
 
 
 def spread(values: list[float]) -> str:
@@ -411,25 +437,52 @@ def report(
         print(f"  the kvpool server's CPU per {key} request of the connected engine, mean: {1000 * server:.1f} ms")
     st = first["stats"]
     print(f"  the connected engine's connector (all its requests): {st}")
+    hit_loads = [h["loads"] for h in hits if h["loads"]["loaded_tokens"]]
     for name, phase_result, done, where in (
         ("load", fresh, "loaded_tokens", "the step waits for them"),
         ("save", first, "saved_tokens", "on the connector's thread, beside the steps"),
     ):
-        stats, ceiling = phase_result["stats"], phase_result["ceiling"]  # a plain copy in the same process
+        stats, copies = phase_result["stats"], phase_result["copies"]
         tokens, copy_ns, all_ns = stats.get(done, 0), stats.get(f"{name}_copy_ns"), stats.get(f"{name}_ns")
-        if copy_ns:
-            rate = tokens * token_bytes(args) / (copy_ns / 1e9)
-            print(f"  {name}: {tokens} tokens, {rate / 1e9:.2f} GB/s = {rate / ceiling:.0%} of a torch copy "
-                  f"({ceiling / 1e9:.2f} GB/s; target >= 50%); copies {copy_ns / 1e6:.1f} ms of "
-                  f"{(all_ns or 0) / 1e6:.1f} ms in {name}s ({where})")  # fmt: skip
-    copies = fresh.get("copies")
-    if copies and copies["tokens"]:
-        size, ceiling = copies["bytes"], copies["bytes"] / copies["copy_s"]
-        print(f"  the connector's copies, {copies['tokens']} tokens ({size / 1e6:.1f} MB), best of 7 on its thread "
-              f"({'compiled' if copies['native'] else 'torch ops'}): load {size / copies['load_s'] / 1e9:.2f} GB/s "
-              f"= {copies['copy_s'] / copies['load_s']:.0%}, save {size / copies['save_s'] / 1e9:.2f} GB/s = "
-              f"{copies['copy_s'] / copies['save_s']:.0%} of a torch copy there "
-              f"({ceiling / 1e9:.2f} GB/s)")  # fmt: skip
+        if not copy_ns or not copies.get("tokens"):
+            continue
+        # Ceilings, a torch copy of as many bytes in the same process: on its main thread with vLLM's
+        # intra-op threads (the memory's bandwidth, more than one thread draws), and on the connector's one
+        # thread (where the copies run), cold (nothing cached, as in a step) and warm.
+        ceilings = {
+            f"{phase_result['threads']} threads": phase_result["ceiling"],
+            "1 thread, cold": copies["bytes"] / copies["copy_cold_s"],
+            "1 thread, warm": copies["bytes"] / copies["copy_s"],
+        }
+        rate = tokens * token_bytes(args) / (copy_ns / 1e9)
+        print(f"  {name}s in the steps, all of the engine's: {tokens} tokens, {rate / 1e9:.2f} GB/s = "
+              f"{shares(rate, ceilings)}; copies {copy_ns / 1e6:.1f} ms of {(all_ns or 0) / 1e6:.1f} ms in "
+              f"{name}s ({where})")  # fmt: skip
+        if name == "load":
+            first_load = fresh.get("warmup_loads", {})
+            per_hit = [h["loaded_tokens"] * token_bytes(args) / (h["load_copy_ns"] / 1e9) for h in hit_loads]
+            if per_hit:
+                print(f"    per kvpool hit ({len(per_hit)}): {spread([r / 1e9 for r in per_hit])} GB/s, median = "
+                      f"{shares(sorted(per_hit)[len(per_hit) // 2], ceilings)}")  # fmt: skip
+            if first_load.get("load_copy_ns"):
+                rate = first_load["loaded_tokens"] * token_bytes(args) / (first_load["load_copy_ns"] / 1e9)
+                print(f"    the process's first load (its warm-up's, {first_load['loaded_tokens']} tokens): "
+                      f"{rate / 1e9:.2f} GB/s = {shares(rate, ceilings)}")  # fmt: skip
+        print("    ceilings (GB/s): " + ", ".join(f"{what} {c / 1e9:.2f}" for what, c in ceilings.items()))
+    for engine, phase_result in (("fresh", fresh), ("miss", first)):
+        copies = phase_result.get("copies")
+        if not copies or not copies["tokens"]:
+            continue
+        size = copies["bytes"]
+        build = ("compiled, wide" if copies["wide"] else "compiled, narrow") if copies["native"] else "torch ops"
+        temps = []
+        for temp, tail in (("warm", ""), ("cold", "_cold")):
+            copy_s, load_s, save_s = copies[f"copy{tail}_s"], copies[f"load{tail}_s"], copies[f"save{tail}_s"]
+            temps.append(f"{temp}: load {size / load_s / 1e9:.2f} GB/s = {copy_s / load_s:.0%}, save "
+                         f"{size / save_s / 1e9:.2f} GB/s = {copy_s / save_s:.0%} of a torch copy there "
+                         f"({size / copy_s / 1e9:.2f} GB/s)")  # fmt: skip
+        print(f"  the {engine} engine's copies, {copies['tokens']} tokens ({size / 1e6:.1f} MB), best of 7 on the "
+              f"connector's thread ({build}; target >= 50%): " + "; ".join(temps))  # fmt: skip
 
 
 if __name__ == "__main__":

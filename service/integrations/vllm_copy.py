@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from service.integrations.vllm_layout import kv_views
@@ -157,14 +158,18 @@ def save_layer(cache: torch.Tensor, pool_layer: torch.Tensor, plan: SavePlan, bu
 
 def run_table(block_ids: list[int], block_size: int, pages: list[int], page_size: int, start: int, end: int) -> Any:
     """int64 [n, 4]: (block, offset, page, offset) of each run of g = gcd(block_size, page_size) tokens in
-    [start, end) of a sequence (block_ids / pages from its token 0), as a numpy array."""
+    [start, end) of a sequence (block_ids / pages from its token 0), as a numpy array (numpy, not torch: a
+    third of the time, ~12 us for 126 runs, inside each load's and save's timed copy)."""
     g = math.gcd(block_size, page_size)
     if start % g or end % g:
         raise ValueError(f"tokens [{start}, {end}) are not runs of {g}")
-    tokens = torch.arange(start, end, g)
-    blocks, page_ids = torch.tensor(block_ids, dtype=torch.int64), torch.tensor(pages, dtype=torch.int64)
-    table = [blocks[tokens // block_size], tokens % block_size, page_ids[tokens // page_size], tokens % page_size]
-    return torch.stack(table, dim=1).contiguous().numpy()
+    tokens = np.arange(start, end, g, dtype=np.int64)
+    table = np.empty((len(tokens), 4), dtype=np.int64)
+    table[:, 0] = np.asarray(block_ids, dtype=np.int64)[tokens // block_size]
+    table[:, 1] = tokens % block_size
+    table[:, 2] = np.asarray(pages, dtype=np.int64)[tokens // page_size]
+    table[:, 3] = tokens % page_size
+    return table
 
 
 def raw(tensor: torch.Tensor) -> Any:
