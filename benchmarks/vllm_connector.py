@@ -196,7 +196,7 @@ def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dic
         result: dict[str, Any] = {"tokens": n, "bytes": nbytes, "native": copier.native}
         for cold in (False, True):
             result.update({f"{name}{'_cold' if cold else ''}_s": best(fn, cold) for name, fn in fns.items()})
-        result["wide"] = copier.wide_used
+        result["build"] = copier.build
         return result
     finally:
         link.client.free("bench-copies")
@@ -474,7 +474,7 @@ def report(
         if not copies or not copies["tokens"]:
             continue
         size = copies["bytes"]
-        build = ("compiled, wide" if copies["wide"] else "compiled, narrow") if copies["native"] else "torch ops"
+        build = f"compiled, {copies['build']}" if copies["native"] else "torch ops"
         temps = []
         for temp, tail in (("warm", ""), ("cold", "_cold")):
             copy_s, load_s, save_s = copies[f"copy{tail}_s"], copies[f"load{tail}_s"], copies[f"save{tail}_s"]

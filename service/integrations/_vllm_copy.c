@@ -9,11 +9,12 @@
  *
  * Every argument and every run is checked before anything is copied, so a failure writes nothing.
  *
- * Two builds of the per-run copies: a wide one (AVX-512, where the CPU has it: K transposed 16 x 16 floats in
- * registers, every store a whole 64-byte line) for 4-byte items whose shapes and buffers suit it, else a
- * narrow one (SSE2 and scalar: any shape, 2-byte items). Measured on an AMD EPYC (Zen 5), one thread, 33 MB:
- * the narrow load's K pass moved its bytes at ~45 % of a plain copy's rate (V ~95 %): its 4 x 4 transposes
- * and staging cost more instructions than the memory takes time; the wide load runs at ~95-110 % of a torch copy. */
+ * Builds of the per-run copies: wide ones (AVX-512, else AVX2, where the CPU has it: K transposed by tiles of
+ * 16 x 16 floats in registers, every store part of a whole 64-byte line) for 4-byte items whose shapes and
+ * buffers suit them, else a narrow one (SSE2 and scalar: any shape, 2-byte items). Measured on an AMD EPYC
+ * (Zen 5), one thread, 33 MB: the narrow load's K pass moved its bytes at ~45 % of a plain copy's rate (V
+ * ~95 %): its 4 x 4 transposes and staging cost more instructions than the memory takes time; the AVX-512
+ * load runs at ~95-110 % of a torch copy. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -158,17 +159,21 @@ static inline void transpose4(const uint32_t *src, Py_ssize_t sstride, uint32_t 
 RUN_COPY(uint32_t)
 RUN_COPY(uint16_t)
 
-/* The wide build: AVX-512F, compiled for the functions below only and taken where the CPU has it (checked
- * once at import), for 4-byte items with head_dim, block_size and g multiples of 16 and every buffer
- * 64-byte aligned (then every row and run starts on a line). */
+/* The wide builds, AVX-512F or else AVX2, each compiled for its own functions only and taken where the CPU
+ * has it (checked once at import), for 4-byte items with head_dim, block_size and g multiples of 16 and
+ * every buffer 64-byte aligned (then every row and run starts on a line). A K run goes by tiles of 16
+ * tokens x 16 of head_dim: 16 lines read, transposed in registers, 16 whole lines streamed (an AVX2 line:
+ * two 32-byte stores back to back, which the write-combining buffer joins). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_WIDE 1
-#define WIDE __attribute__((target("avx512f")))
+#define AVX512 __attribute__((target("avx512f")))
+#define AVX2 __attribute__((target("avx2")))
+enum { NARROW, WIDE_AVX2, WIDE_AVX512 };
 
 /* r[0..15], 16 rows of 16 floats -> the transpose (r[j][i] = the old r[i][j]): pairs unpacked, then 4 x 4
  * blocks within 128-bit lanes, then lanes exchanged in two rounds. */
-WIDE static inline void transpose16(__m512 r[16]) {
+AVX512 static inline void transpose16(__m512 r[16]) {
     __m512 t[16], u[16];
     for (int i = 0; i < 8; i++) {
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -192,48 +197,100 @@ WIDE static inline void transpose16(__m512 r[16]) {
     }
 }
 
-/* run_v / run_k of the narrow build, for 4-byte items: the same runs, the same order of V rows. K: per
- * 16 tokens, head and 16 of head_dim, 16 lines read and 16 whole lines streamed. */
-WIDE static void run_v_wide(uint32_t *restrict page_v, uint32_t *restrict block, Py_ssize_t off, Py_ssize_t g,
-                            Py_ssize_t H, Py_ssize_t D, Py_ssize_t bs, int to_pool) {
-    const Py_ssize_t row = H * D, hs = bs * 2 * D;
-    for (Py_ssize_t t = 0; t < g; t++)
-        for (Py_ssize_t h = 0; h < H; h++) {
-            float *v = (float *)(block + h * hs + bs * D + (off + t) * D), *pv = (float *)(page_v + t * row + h * D);
-            float *dst = to_pool ? pv : v, *src = to_pool ? v : pv;
-            for (Py_ssize_t d = 0; d < D; d += 16)
-                _mm512_stream_ps(dst + d, _mm512_load_ps(src + d));
+/* dst[j * ds + i] = src[i * ss + j] for i, j < 16: a 16 x 16 tile, its lines streamed. */
+AVX512 static inline void tile_avx512(const float *src, Py_ssize_t ss, float *dst, Py_ssize_t ds) {
+    __m512 r[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm512_load_ps(src + i * ss);
+    transpose16(r);
+    for (int i = 0; i < 16; i++)
+        _mm512_stream_ps(dst + i * ds, r[i]);
+}
+
+/* r[0..7], 8 rows of 8 floats -> the transpose. */
+AVX2 static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+        r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+    }
+}
+
+/* tile_avx512 with AVX2: four 8 x 8 blocks; each line of dst written by its two halves back to back. */
+AVX2 static inline void tile_avx2(const float *src, Py_ssize_t ss, float *dst, Py_ssize_t ds) {
+    __m256 q[2][2][8]; /* q[a][b]: rows 8a.. and columns 8b.. of src, then transposed */
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) {
+            for (int i = 0; i < 8; i++)
+                q[a][b][i] = _mm256_load_ps(src + (8 * a + i) * ss + 8 * b);
+            transpose8(q[a][b]);
+        }
+    for (int b = 0; b < 2; b++)
+        for (int j = 0; j < 8; j++) {
+            _mm256_stream_ps(dst + (8 * b + j) * ds, q[0][b][j]);
+            _mm256_stream_ps(dst + (8 * b + j) * ds + 8, q[1][b][j]);
         }
 }
 
-WIDE static void run_k_wide(uint32_t *restrict page_k, uint32_t *restrict block, Py_ssize_t off, Py_ssize_t g,
-                            Py_ssize_t H, Py_ssize_t D, Py_ssize_t bs, int to_pool) {
-    const Py_ssize_t row = H * D, hs = bs * 2 * D;
-    for (Py_ssize_t t0 = 0; t0 < g; t0 += 16)
-        for (Py_ssize_t h = 0; h < H; h++)
-            for (Py_ssize_t d0 = 0; d0 < D; d0 += 16) {
-                /* pk: [16 tokens][row] from (t0, h, d0); k: [16 of head_dim][bs] from (d0, off + t0) */
-                float *pk = (float *)(page_k + t0 * row + h * D + d0), *k = (float *)(block + h * hs + d0 * bs + off + t0);
-                const Py_ssize_t src_stride = to_pool ? bs : row, dst_stride = to_pool ? row : bs;
-                float *src = to_pool ? k : pk, *dst = to_pool ? pk : k;
-                __m512 r[16];
-                for (int i = 0; i < 16; i++)
-                    r[i] = _mm512_load_ps(src + i * src_stride);
-                transpose16(r);
-                for (int i = 0; i < 16; i++)
-                    _mm512_stream_ps(dst + i * dst_stride, r[i]);
-            }
-}
+/* run_v / run_k of the narrow build, for 4-byte items: the same runs, the same order of V rows. AVX2 saves
+ * K with the narrow build's transposes: measured (Zen 5, 33 MB, one thread), its tiles saved at 59-73 % of
+ * a torch copy, the narrow K beside AVX2's V at 76-94 % (AVX-512's tiles: 80-101 %). */
+#define RUN_WIDE(ISA, ATTR, LOAD, STREAM, LANES, SAVE_TILES)                                                     \
+    ATTR static void run_v_##ISA(uint32_t *restrict page_v, uint32_t *restrict block, Py_ssize_t off,        \
+                                 Py_ssize_t g, Py_ssize_t H, Py_ssize_t D, Py_ssize_t bs, int to_pool) {     \
+        const Py_ssize_t row = H * D, hs = bs * 2 * D;                                                       \
+        for (Py_ssize_t t = 0; t < g; t++)                                                                   \
+            for (Py_ssize_t h = 0; h < H; h++) {                                                             \
+                float *v = (float *)(block + h * hs + bs * D + (off + t) * D);                               \
+                float *pv = (float *)(page_v + t * row + h * D);                                             \
+                float *dst = to_pool ? pv : v, *src = to_pool ? v : pv;                                      \
+                for (Py_ssize_t d = 0; d < D; d += LANES)                                                    \
+                    STREAM(dst + d, LOAD(src + d));                                                          \
+            }                                                                                                \
+    }                                                                                                        \
+    ATTR static void run_k_##ISA(uint32_t *restrict page_k, uint32_t *restrict block, Py_ssize_t off,        \
+                                 Py_ssize_t g, Py_ssize_t H, Py_ssize_t D, Py_ssize_t bs, int to_pool) {     \
+        const Py_ssize_t row = H * D, hs = bs * 2 * D;                                                       \
+        if (to_pool && !SAVE_TILES) {                                                                        \
+            run_k_uint32_t(page_k, block, off, g, H, D, bs, to_pool);                                        \
+            return;                                                                                          \
+        }                                                                                                    \
+        for (Py_ssize_t t0 = 0; t0 < g; t0 += 16)                                                            \
+            for (Py_ssize_t h = 0; h < H; h++)                                                               \
+                for (Py_ssize_t d0 = 0; d0 < D; d0 += 16) {                                                  \
+                    /* pk: [16 tokens][row] from (t0, h, d0); k: [16 of head_dim][bs] from (d0, off + t0) */ \
+                    float *pk = (float *)(page_k + t0 * row + h * D + d0);                                   \
+                    float *k = (float *)(block + h * hs + d0 * bs + off + t0);                               \
+                    if (to_pool)                                                                             \
+                        tile_##ISA(k, bs, pk, row);                                                          \
+                    else                                                                                     \
+                        tile_##ISA(pk, row, k, bs);                                                          \
+                }                                                                                            \
+    }
+RUN_WIDE(avx512, AVX512, _mm512_load_ps, _mm512_stream_ps, 16, 1)
+RUN_WIDE(avx2, AVX2, _mm256_load_ps, _mm256_stream_ps, 8, 0)
 
-static int cpu_has_wide(void) {
+static int cpu_wide(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
+    return __builtin_cpu_supports("avx512f") ? WIDE_AVX512 : __builtin_cpu_supports("avx2") ? WIDE_AVX2 : NARROW;
 }
 #else
 #define HAVE_WIDE 0
-static int cpu_has_wide(void) { return 0; }
+enum { NARROW, WIDE_AVX2, WIDE_AVX512 };
+static int cpu_wide(void) { return NARROW; }
 #endif
-static int has_wide; /* set at import */
+static const char *const BUILD_NAMES[] = {"narrow", "avx2", "avx512"};
+static int cpu_build; /* the widest build this CPU runs, set at import */
 
 /* All the V, then all the K (measured: interleaved per run, the two took twice the time they take apart);
  * saves layer by layer (each layer's cache read as one stream), loads page by page. */
@@ -262,31 +319,37 @@ static int has_wide; /* set at import */
 
 static int aligned64(const void *p) { return ((uintptr_t)p & 63) == 0; }
 
-/* Whether the wide build can take this copy (see HAVE_WIDE). */
-static int suits_wide(const Py_buffer *pool, const Py_buffer *caches, Py_ssize_t n_caches, Py_ssize_t g) {
+/* The build that takes this copy: the widest of the CPU's up to `widest`, where the shapes and buffers suit
+ * a wide one (see HAVE_WIDE). */
+static int build_for(const Py_buffer *pool, const Py_buffer *caches, Py_ssize_t n_caches, Py_ssize_t g, int widest) {
     const Py_ssize_t D = pool->shape[5], bs = caches[0].shape[2];
-    if (!has_wide || pool->itemsize != 4 || D % 16 || g % 16 || bs % 16 || !aligned64(pool->buf))
-        return 0;
+    if (pool->itemsize != 4 || D % 16 || g % 16 || bs % 16 || !aligned64(pool->buf))
+        return NARROW;
     for (Py_ssize_t i = 0; i < n_caches; i++)
         if (!aligned64(caches[i].buf))
-            return 0;
-    return 1;
+            return NARROW;
+    return widest < cpu_build ? widest : cpu_build;
 }
 
 static void copy_runs(const Py_buffer *pool, const Py_buffer *caches, const int64_t *runs, Py_ssize_t n_runs,
-                      Py_ssize_t g, int to_pool, int wide) {
+                      Py_ssize_t g, int to_pool, int build) {
     const Py_ssize_t L = pool->shape[2], ps = pool->shape[3], H = pool->shape[4], D = pool->shape[5];
     const Py_ssize_t bs = caches[0].shape[2];
     const Py_ssize_t layer_stride = ps * H * D, page_stride = 2 * L * layer_stride;
     const Py_ssize_t block_stride = H * bs * 2 * D;
 #if HAVE_WIDE
-    if (wide) {
-        COPY_LOOP(uint32_t, run_k_wide, run_v_wide)
+    if (build == WIDE_AVX512) {
+        COPY_LOOP(uint32_t, run_k_avx512, run_v_avx512)
+        FENCE();
+        return;
+    }
+    if (build == WIDE_AVX2) {
+        COPY_LOOP(uint32_t, run_k_avx2, run_v_avx2)
         FENCE();
         return;
     }
 #else
-    (void)wide;
+    (void)build;
 #endif
     if (pool->itemsize == 4) {
         COPY_LOOP(uint32_t, run_k_uint32_t, run_v_uint32_t)
@@ -299,9 +362,18 @@ static void copy_runs(const Py_buffer *pool, const Py_buffer *caches, const int6
 static PyObject *copy(PyObject *self, PyObject *args) {
     PyObject *pool_obj, *caches_obj, *runs_obj;
     Py_ssize_t g;
-    int to_pool, wide = 1;
-    if (!PyArg_ParseTuple(args, "OOOnp|p", &pool_obj, &caches_obj, &runs_obj, &g, &to_pool, &wide))
+    int to_pool, widest = WIDE_AVX512;
+    const char *widest_name = NULL;
+    if (!PyArg_ParseTuple(args, "OOOnp|s", &pool_obj, &caches_obj, &runs_obj, &g, &to_pool, &widest_name))
         return NULL;
+    if (widest_name != NULL) {
+        for (widest = WIDE_AVX512; widest >= NARROW && strcmp(widest_name, BUILD_NAMES[widest]); widest--)
+            ;
+        if (widest < NARROW) {
+            PyErr_Format(PyExc_ValueError, "widest: expected 'avx512', 'avx2' or 'narrow', not '%s'", widest_name);
+            return NULL;
+        }
+    }
     PyObject *seq = PySequence_Fast(caches_obj, "caches: expected a sequence of arrays");
     if (seq == NULL)
         return NULL;
@@ -352,11 +424,11 @@ static PyObject *copy(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    wide = wide && suits_wide(&pool, caches, n_caches, g);
+    const int build = build_for(&pool, caches, n_caches, g, widest);
     Py_BEGIN_ALLOW_THREADS
-    copy_runs(&pool, caches, runs.buf, n_runs, g, to_pool, wide);
+    copy_runs(&pool, caches, runs.buf, n_runs, g, to_pool, build);
     Py_END_ALLOW_THREADS
-    result = PyBool_FromLong(wide);
+    result = PyUnicode_FromString(BUILD_NAMES[build]);
 done:
     for (Py_ssize_t i = 0; i < got; i++)
         if (caches[i].obj != NULL)
@@ -372,17 +444,18 @@ done:
 
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS,
-     "copy(pool, caches, runs, g, to_pool, wide=True): copy the runs of g tokens of every layer, vLLM blocks -> "
-     "pool pages (to_pool) or back; True if the wide build did (wide=False: the narrow one, always)"},
+     "copy(pool, caches, runs, g, to_pool, widest='avx512'): copy the runs of g tokens of every layer, vLLM "
+     "blocks -> pool pages (to_pool) or back, with the widest build up to `widest` that the CPU, the shapes and "
+     "the buffers allow ('avx512', 'avx2', 'narrow'); returns the build's name"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_vllm_copy", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__vllm_copy(void) {
-    has_wide = HAVE_WIDE && cpu_has_wide();
+    cpu_build = cpu_wide();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "WIDE", has_wide) < 0) {
+    if (m != NULL && PyModule_AddStringConstant(m, "CPU_BUILD", BUILD_NAMES[cpu_build]) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -4,9 +4,9 @@
 two passes (the V, then the K) over every layer per call, runs of g = gcd(page_size, block_size) tokens,
 streaming stores where whole lines are written, without the GIL
 (a save on the connector's thread leaves vLLM's Python running); else with the torch ops below. The
-compiled copy has a wide build (AVX-512, float32 pools, head_dim / block / g multiples of 16, 64-byte
-aligned buffers: K transposed 16 x 16 in registers), taken where the CPU and the shapes allow, and a
-narrow one (SSE2 and scalar) for everything else; `wide=False` forces the narrow one (tests).
+compiled copy has wide builds (AVX-512, else AVX2; float32 pools, head_dim / block / g multiples of 16,
+64-byte aligned buffers: K transposed 16 x 16 in registers), taken where the CPU and the shapes allow,
+and a narrow one (SSE2 and scalar) for everything else; `widest` caps the build (tests run each).
 
 kvpool's pool is page-major, [num_pages + 1, 2, num_layers, page_size, kv_heads, head_dim]: one layer's K
 (or V) of a page is a contiguous [page_size, H, D], token-major. One layer's vLLM CPU block is
@@ -187,10 +187,10 @@ class KVCopier:
         writers: dict[int, Writer],
         block_size: int,
         native: bool = True,
-        wide: bool = True,
+        widest: str = "avx512",
     ) -> None:
-        self.caches, self.writers, self.block_size, self._wide = caches, writers, block_size, wide
-        self.wide_used = False  # whether the last compiled copy took the wide build
+        self.caches, self.writers, self.block_size, self._widest = caches, writers, block_size, widest
+        self.build = ""  # the compiled build of the last copy: "avx512", "avx2" or "narrow" ("": none yet)
         layers = [caches[i] for i in range(len(caches))]
         use = (
             native and NATIVE is not None and all(c.device.type == "cpu" and c.element_size() in (2, 4) for c in layers)
@@ -227,4 +227,4 @@ class KVCopier:
         assert NATIVE is not None and self._raw is not None
         runs = run_table(block_ids, self.block_size, pages, pool.shape[3], start, end)
         g = math.gcd(self.block_size, pool.shape[3])
-        self.wide_used = NATIVE.copy(raw(pool), self._raw, runs, g, to_pool, self._wide)
+        self.build = NATIVE.copy(raw(pool), self._raw, runs, g, to_pool, self._widest)

@@ -61,7 +61,19 @@ def cpu_writer(cache: torch.Tensor) -> Any:
     return write
 
 
-@pytest.mark.parametrize("build", ["wide", "narrow", "torch"])
+BUILDS = ["narrow", "avx2", "avx512"]  # narrowest first
+
+
+def expected_build(widest: str, suits_wide: bool) -> str:
+    """The compiled build a copy takes: the widest up to `widest` that this CPU runs, if the copy suits one."""
+    from service.integrations.vllm_copy import NATIVE
+
+    assert NATIVE is not None
+    cpu = BUILDS.index(NATIVE.CPU_BUILD)
+    return BUILDS[min(BUILDS.index(widest), cpu)] if suits_wide else "narrow"
+
+
+@pytest.mark.parametrize("build", ["avx512", "avx2", "narrow", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 48, 8])  # runs of 16 or 32 tokens, and of 8
 @pytest.mark.parametrize("consecutive", [False, True])
@@ -70,11 +82,11 @@ def test_save_and_load_match_a_token_by_token_copy(
     build: str, dtype: torch.dtype, page_size: int, consecutive: bool, first: int, last: int
 ) -> None:
     """The tokens of pages [first, last) of a sequence go from vLLM blocks (32) into pool pages and back,
-    exactly, and nothing else in the pool or the blocks changes; ids scattered or consecutive. "wide": the
-    compiled copy's AVX-512 build where the CPU has it and the shapes suit it (float32, runs of 16 or 32)."""
+    exactly, and nothing else in the pool or the blocks changes; ids scattered or consecutive. Each build of
+    the compiled copy (a wide one where the CPU has it and the shapes suit it: float32, runs of 16 or 32)."""
     from service.integrations.vllm_copy import NATIVE, KVCopier
 
-    native, wide = build != "torch", build == "wide"
+    native = build != "torch"
     start, end = first * page_size, last * page_size  # the connector saves and loads whole pages
     if native and NATIVE is None:
         pytest.fail("service/integrations/_vllm_copy.c is not built (python setup.py build_ext --inplace)")
@@ -96,18 +108,19 @@ def test_save_and_load_match_a_token_by_token_copy(
         k, v = kv_views(cache)
         expected[in_pages[0], 0, layer, in_pages[1]] = k[in_blocks[0], :, in_blocks[1]]
         expected[in_pages[0], 1, layer, in_pages[1]] = v[in_blocks[0], :, in_blocks[1]]
-    copier = KVCopier(dict(enumerate(caches)), {}, block, native=native, wide=wide)
+    widest = build if native else "avx512"
+    copier = KVCopier(dict(enumerate(caches)), {}, block, native=native, widest=widest)
     assert copier.native == native
-    takes_wide = wide and bool(NATIVE and NATIVE.WIDE) and dtype == torch.float32 and page_size % 16 == 0
+    taken = expected_build(widest, dtype == torch.float32 and page_size % 16 == 0) if native else ""
     for _ in range(2):  # the second time through reused buffers
         copier.save(pool, block_ids, pages, start, end)
         assert torch.equal(pool, expected)
-        assert copier.wide_used == takes_wide
+        assert copier.build == taken
     loaded = [torch.zeros_like(cache) for cache in caches]
     writers = {layer: cpu_writer(cache) for layer, cache in enumerate(loaded)}
-    loader = KVCopier(dict(enumerate(loaded)), writers, block, native=native, wide=wide)
+    loader = KVCopier(dict(enumerate(loaded)), writers, block, native=native, widest=widest)
     loader.load(pool, pages, block_ids, start, end)
-    assert loader.wide_used == takes_wide
+    assert loader.build == taken
     for cache, original in zip(loaded, caches, strict=True):
         (k, v), (k0, v0) = kv_views(cache), kv_views(original)
         assert torch.equal(k[in_blocks[0], :, in_blocks[1]], k0[in_blocks[0], :, in_blocks[1]])
@@ -117,7 +130,7 @@ def test_save_and_load_match_a_token_by_token_copy(
 
 
 def test_buffers_off_64_byte_lines_take_the_narrow_build_exactly() -> None:
-    """A pool and caches that start 4 bytes into a line (views into larger buffers): the wide build's
+    """A pool and caches that start 4 bytes into a line (views into larger buffers): the wide builds'
     stores need whole lines, so the narrow build copies them, to the same result."""
     from service.integrations.vllm_copy import NATIVE, KVCopier
 
@@ -137,7 +150,7 @@ def test_buffers_off_64_byte_lines_take_the_narrow_build_exactly() -> None:
         pool = placed(torch.zeros(9, 2, layers, page_size, heads, d), shifted)
         copier = KVCopier({i: placed(c, shifted) for i, c in enumerate(sources)}, {}, block)
         copier.save(pool, [3, 1, 4], [2, 7, 1, 8, 5, 6], 0, 96)
-        assert copier.wide_used == (not shifted and bool(NATIVE.WIDE))
+        assert copier.build == expected_build("avx512", suits_wide=not shifted)
         pools.append(pool)
     assert torch.equal(pools[0], pools[1]) and int(pools[0].count_nonzero()) == 96 * layers * 2 * heads * d
 
@@ -154,6 +167,8 @@ def test_the_compiled_copy_checks_every_run_before_it_writes() -> None:
     with pytest.raises(ValueError, match=r"run 1 \(block 3 \+ 16, page 4 \+ 8\) is outside"):
         NATIVE.copy(raw(pool), [raw(c) for c in caches], runs, 16, False)
     assert all(int(c.count_nonzero()) == 0 for c in caches)  # not even the good run was copied
+    with pytest.raises(ValueError, match="widest: expected 'avx512', 'avx2' or 'narrow', not 'avx3'"):
+        NATIVE.copy(raw(pool), [raw(c) for c in caches], runs[:1], 16, False, "avx3")
     with pytest.raises(ValueError, match="one layer per cache"):
         NATIVE.copy(raw(pool), [raw(caches[0])], runs[:1], 16, False)
     with pytest.raises(ValueError, match="expected \\[blocks, H, block_size, 2 \\* D\\]"):
