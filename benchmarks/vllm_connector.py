@@ -12,6 +12,16 @@ of a generate() with one new token; "total" generates --new tokens. A hit's prom
 last 64 tokens with a miss's. Before each timed request the connector's queued saves (of the request
 before) finish: each request meets an idle engine. Every engine runs with glibc's malloc thresholds fixed
 (FIXED_MALLOC; `--malloc glibc` leaves glibc's defaults).
+
+The copies' rates (the K and V of every layer of the tokens moved, bytes counted once) are set against a
+torch copy of as many bytes in the same process, a ceiling that is not one number here, so three of them:
+on the engine's main thread, with vLLM's intra-op threads (the memory's bandwidth as more than one core
+draws it; it moves with the other core's load: 11-49 GB/s from run to run on a 2-core machine), and on
+the connector's thread, with one intra-op thread as its copies have, warm (best of 7 back to back: of the
+33 MB, a 32 MB last-level cache keeps part between repetitions) and cold (FLUSH_BYTES written before each
+repetition, as a load meets the pool in a step): a one-thread copy is judged by the last two. The
+connector's copies are also timed alone on its thread, warm and cold. The loads in the steps are shown
+per kvpool hit, and the process's first load (its warm-up's: page tables and caches cold) apart.
 """
 
 import argparse
