@@ -10,8 +10,8 @@
  * Every argument and every run is checked before anything is copied, so a failure writes nothing.
  *
  * Builds of the per-run copies: wide ones (AVX-512, else AVX2, where the CPU has it: K transposed by tiles of
- * 16 x 16 floats in registers, every store part of a whole 64-byte line) for 4-byte items whose shapes and
- * buffers suit them, else a narrow one (SSE2 and scalar: any shape, 2-byte items). Measured on an AMD EPYC
+ * 16 x 16 items in registers, stores of whole 64-byte lines) for 4-byte items (AVX2 for 2-byte items) whose
+ * shapes and buffers suit them, else a narrow one (SSE2 and scalar: any shape). Measured on an AMD EPYC
  * (Zen 5), one thread, 33 MB: the narrow load's K pass moved its bytes at ~45 % of a plain copy's rate (V
  * ~95 %): its 4 x 4 transposes and staging cost more instructions than the memory takes time; the AVX-512
  * load runs at ~95-110 % of a torch copy. */
@@ -160,8 +160,9 @@ RUN_COPY(uint32_t)
 RUN_COPY(uint16_t)
 
 /* The wide builds, AVX-512F or else AVX2, each compiled for its own functions only and taken where the CPU
- * has it (checked once at import), for 4-byte items with head_dim, block_size and g multiples of 16 and
- * every buffer 64-byte aligned (then every row and run starts on a line). A K run goes by tiles of 16
+ * has it (checked once at import), for 4-byte items with head_dim and block_size multiples of 16 (2-byte
+ * items, AVX2 only: of 32), g a multiple of 16 and every buffer 64-byte aligned (then every row and run
+ * starts on a line, or half a line for 2-byte runs). A K run goes by tiles of 16
  * tokens x 16 of head_dim: 16 lines read, transposed in registers, 16 whole lines streamed (an AVX2 line:
  * two 32-byte stores back to back, which the write-combining buffer joins). */
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -280,6 +281,112 @@ AVX2 static inline void tile_avx2(const float *src, Py_ssize_t ss, float *dst, P
 RUN_WIDE(avx512, AVX512, _mm512_load_ps, _mm512_stream_ps, 16, 1)
 RUN_WIDE(avx2, AVX2, _mm256_load_ps, _mm256_stream_ps, 8, 0)
 
+/* 2-byte items (bf16, fp16), AVX2 only: tiles of 16 x 16 items, each row 32 bytes (half a line).
+ * r[0..15], 16 rows of 16 items -> the transpose: 16-, 32-, 64-bit interleaves, then 128-bit lanes. */
+AVX2 static inline void transpose16_epi16(__m256i r[16]) {
+    __m256i a[16], b[16], c[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        b[4 * i] = _mm256_unpacklo_epi32(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm256_unpackhi_epi32(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm256_unpacklo_epi32(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm256_unpackhi_epi32(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            c[8 * i + 2 * j] = _mm256_unpacklo_epi64(b[8 * i + j], b[8 * i + 4 + j]);
+            c[8 * i + 2 * j + 1] = _mm256_unpackhi_epi64(b[8 * i + j], b[8 * i + 4 + j]);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm256_permute2x128_si256(c[j], c[8 + j], 0x20);
+        r[j + 8] = _mm256_permute2x128_si256(c[j], c[8 + j], 0x31);
+    }
+}
+
+/* r = the transpose of the 16 x 16 tile at src (rows ss items apart). */
+AVX2 static inline void tile_epi16(const uint16_t *src, Py_ssize_t ss, __m256i r[16]) {
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm256_load_si256((const __m256i *)(src + i * ss));
+    transpose16_epi16(r);
+}
+
+AVX2 static void run_v_avx2_16(uint16_t *restrict page_v, uint16_t *restrict block, Py_ssize_t off, Py_ssize_t g,
+                               Py_ssize_t H, Py_ssize_t D, Py_ssize_t bs, int to_pool) {
+    const Py_ssize_t row = H * D, hs = bs * 2 * D;
+    for (Py_ssize_t t = 0; t < g; t++)
+        for (Py_ssize_t h = 0; h < H; h++) {
+            uint16_t *v = block + h * hs + bs * D + (off + t) * D, *pv = page_v + t * row + h * D;
+            uint16_t *dst = to_pool ? pv : v, *src = to_pool ? v : pv;
+            for (Py_ssize_t d = 0; d < D; d += 16)
+                _mm256_stream_si256((__m256i *)(dst + d), _mm256_load_si256((const __m256i *)(src + d)));
+        }
+}
+
+/* K: a line holds 32 items. Saves pair the tiles of d0 and d0 + 16 (a pool row's line); loads pair the
+ * tiles of t0 and t0 + 16 where both lie in this run, else write half a line with an ordinary store (its
+ * other half comes from the next run, usually while the line is still cached), not a streamed one. */
+AVX2 static void run_k_avx2_16(uint16_t *restrict page_k, uint16_t *restrict block, Py_ssize_t off, Py_ssize_t g,
+                               Py_ssize_t H, Py_ssize_t D, Py_ssize_t bs, int to_pool) {
+    const Py_ssize_t row = H * D, hs = bs * 2 * D;
+    __m256i a[16], b[16];
+    if (to_pool) {
+        for (Py_ssize_t t0 = 0; t0 < g; t0 += 16)
+            for (Py_ssize_t h = 0; h < H; h++)
+                for (Py_ssize_t d0 = 0; d0 < D; d0 += 32) {
+                    const uint16_t *k = block + h * hs + d0 * bs + off + t0;
+                    uint16_t *pk = page_k + t0 * row + h * D + d0;
+                    tile_epi16(k, bs, a);
+                    tile_epi16(k + 16 * bs, bs, b);
+                    for (int j = 0; j < 16; j++) {
+                        _mm256_stream_si256((__m256i *)(pk + j * row), a[j]);
+                        _mm256_stream_si256((__m256i *)(pk + j * row + 16), b[j]);
+                    }
+                }
+        return;
+    }
+    for (Py_ssize_t t0 = 0; t0 < g;) {
+        const int pair = (off + t0) % 32 == 0 && t0 + 32 <= g;
+        for (Py_ssize_t h = 0; h < H; h++)
+            for (Py_ssize_t d0 = 0; d0 < D; d0 += 16) {
+                const uint16_t *pk = page_k + t0 * row + h * D + d0;
+                uint16_t *k = block + h * hs + d0 * bs + off + t0;
+                tile_epi16(pk, row, a);
+                if (pair) {
+                    tile_epi16(pk + 16 * row, row, b);
+                    for (int j = 0; j < 16; j++) {
+                        _mm256_stream_si256((__m256i *)(k + j * bs), a[j]);
+                        _mm256_stream_si256((__m256i *)(k + j * bs + 16), b[j]);
+                    }
+                } else {
+                    for (int j = 0; j < 16; j++)
+                        _mm256_store_si256((__m256i *)(k + j * bs), a[j]);
+                }
+            }
+        t0 += pair ? 32 : 16;
+    }
+}
+
+/* A load's K of two runs of 16 tokens that fill one block's line (offsets off and off + 16, off a multiple
+ * of 32; their pages apart): the two tiles of each (h, d0) make whole lines, streamed. */
+AVX2 static void load_k_pair_avx2_16(const uint16_t *page_a, const uint16_t *page_b, uint16_t *restrict block,
+                                     Py_ssize_t off, Py_ssize_t H, Py_ssize_t D, Py_ssize_t bs) {
+    const Py_ssize_t row = H * D, hs = bs * 2 * D;
+    __m256i a[16], b[16];
+    for (Py_ssize_t h = 0; h < H; h++)
+        for (Py_ssize_t d0 = 0; d0 < D; d0 += 16) {
+            uint16_t *k = block + h * hs + d0 * bs + off;
+            tile_epi16(page_a + h * D + d0, row, a);
+            tile_epi16(page_b + h * D + d0, row, b);
+            for (int j = 0; j < 16; j++) {
+                _mm256_stream_si256((__m256i *)(k + j * bs), a[j]);
+                _mm256_stream_si256((__m256i *)(k + j * bs + 16), b[j]);
+            }
+        }
+}
+
 static int cpu_wide(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") ? WIDE_AVX512 : __builtin_cpu_supports("avx2") ? WIDE_AVX2 : NARROW;
@@ -323,12 +430,16 @@ static int aligned64(const void *p) { return ((uintptr_t)p & 63) == 0; }
  * a wide one (see HAVE_WIDE). */
 static int build_for(const Py_buffer *pool, const Py_buffer *caches, Py_ssize_t n_caches, Py_ssize_t g, int widest) {
     const Py_ssize_t D = pool->shape[5], bs = caches[0].shape[2];
-    if (pool->itemsize != 4 || D % 16 || g % 16 || bs % 16 || !aligned64(pool->buf))
+    const Py_ssize_t line = 64 / pool->itemsize; /* items per line */
+    /* 4-byte items: up to AVX-512; 2-byte items: AVX2 (a line of K in a block needs bs a multiple of 32) */
+    const int cap = pool->itemsize == 4 ? WIDE_AVX512 : WIDE_AVX2;
+    if (D % line || g % 16 || bs % line || !aligned64(pool->buf))
         return NARROW;
     for (Py_ssize_t i = 0; i < n_caches; i++)
         if (!aligned64(caches[i].buf))
             return NARROW;
-    return widest < cpu_build ? widest : cpu_build;
+    const int build = widest < cpu_build ? widest : cpu_build;
+    return build < cap ? build : cap;
 }
 
 static void copy_runs(const Py_buffer *pool, const Py_buffer *caches, const int64_t *runs, Py_ssize_t n_runs,
@@ -343,8 +454,36 @@ static void copy_runs(const Py_buffer *pool, const Py_buffer *caches, const int6
         FENCE();
         return;
     }
-    if (build == WIDE_AVX2) {
+    if (build == WIDE_AVX2 && pool->itemsize == 4) {
         COPY_LOOP(uint32_t, run_k_avx2, run_v_avx2)
+        FENCE();
+        return;
+    }
+    if (build == WIDE_AVX2 && !to_pool && g == 16) {
+        /* 2-byte loads in runs of 16 (half a line of K): the V as usual, then the K of two runs at a time
+         * where they fill a line together */
+        for (Py_ssize_t r = 0; r < n_runs; r++)
+            for (Py_ssize_t l = 0; l < L; l++)
+                COPY_ONE(uint16_t, run_k_avx2_16, run_v_avx2_16, 0, r, l);
+        for (Py_ssize_t r = 0, step; r < n_runs; r += step) {
+            const int64_t *run = runs + 4 * r;
+            step = r + 1 < n_runs && run[4] == run[0] && run[5] == run[1] + 16 && run[1] % 32 == 0 ? 2 : 1;
+            for (Py_ssize_t l = 0; l < L; l++) {
+                if (step == 1) {
+                    COPY_ONE(uint16_t, run_k_avx2_16, run_v_avx2_16, 1, r, l);
+                    continue;
+                }
+                const uint16_t *base = (const uint16_t *)pool->buf + l * layer_stride;
+                load_k_pair_avx2_16(base + run[2] * page_stride + run[3] * H * D,
+                                    base + run[6] * page_stride + run[7] * H * D,
+                                    (uint16_t *)caches[l].buf + run[0] * block_stride, run[1], H, D, bs);
+            }
+        }
+        FENCE();
+        return;
+    }
+    if (build == WIDE_AVX2) {
+        COPY_LOOP(uint16_t, run_k_avx2_16, run_v_avx2_16)
         FENCE();
         return;
     }

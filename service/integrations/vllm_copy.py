@@ -4,8 +4,9 @@
 two passes (the V, then the K) over every layer per call, runs of g = gcd(page_size, block_size) tokens,
 streaming stores where whole lines are written, without the GIL
 (a save on the connector's thread leaves vLLM's Python running); else with the torch ops below. The
-compiled copy has wide builds (AVX-512, else AVX2; float32 pools, head_dim / block / g multiples of 16,
-64-byte aligned buffers: K transposed 16 x 16 in registers), taken where the CPU and the shapes allow,
+compiled copy has wide builds (AVX-512, else AVX2: K transposed 16 x 16 in registers; float32 pools with
+head_dim and block size multiples of 16, or AVX2 for 2-byte pools with multiples of 32; g a multiple of
+16; 64-byte aligned buffers), taken where the CPU and the shapes allow,
 and a narrow one (SSE2 and scalar) for everything else; `widest` caps the build (tests run each).
 
 kvpool's pool is page-major, [num_pages + 1, 2, num_layers, page_size, kv_heads, head_dim]: one layer's K
