@@ -172,6 +172,15 @@ RUN_COPY(uint16_t)
 #define AVX2 __attribute__((target("avx2")))
 enum { NARROW, WIDE_AVX2, WIDE_AVX512 };
 
+/* Saves read K from a block head by head, [head_dim, block_size] each (4-8 KB apart for the shapes measured):
+ * the hardware's prefetchers do not cross 4 KB pages, so each tile asks for the next head's rows of the same
+ * tile first. Measured (Zen 5, one thread, cold): bf16 saves 56-63 % -> 72-75 % of a torch copy, float32
+ * (AVX-512) 80-94 % -> 92-110 %. */
+static inline void prefetch_rows(const void *first, Py_ssize_t stride_bytes, int n) {
+    for (int i = 0; i < n; i++)
+        _mm_prefetch((const char *)first + i * stride_bytes, _MM_HINT_T0);
+}
+
 /* r[0..15], 16 rows of 16 floats -> the transpose (r[j][i] = the old r[i][j]): pairs unpacked, then 4 x 4
  * blocks within 128-bit lanes, then lanes exchanged in two rounds. */
 AVX512 static inline void transpose16(__m512 r[16]) {
@@ -272,6 +281,8 @@ AVX2 static inline void tile_avx2(const float *src, Py_ssize_t ss, float *dst, P
                     /* pk: [16 tokens][row] from (t0, h, d0); k: [16 of head_dim][bs] from (d0, off + t0) */ \
                     float *pk = (float *)(page_k + t0 * row + h * D + d0);                                   \
                     float *k = (float *)(block + h * hs + d0 * bs + off + t0);                               \
+                    if (to_pool && h + 1 < H) /* see prefetch_rows */                                        \
+                        prefetch_rows(k + hs, bs * sizeof(float), 16);                                       \
                     if (to_pool)                                                                             \
                         tile_##ISA(k, bs, pk, row);                                                          \
                     else                                                                                     \
@@ -338,6 +349,8 @@ AVX2 static void run_k_avx2_16(uint16_t *restrict page_k, uint16_t *restrict blo
                 for (Py_ssize_t d0 = 0; d0 < D; d0 += 32) {
                     const uint16_t *k = block + h * hs + d0 * bs + off + t0;
                     uint16_t *pk = page_k + t0 * row + h * D + d0;
+                    if (h + 1 < H)
+                        prefetch_rows(k + hs, bs * sizeof(uint16_t), 32);
                     tile_epi16(k, bs, a);
                     tile_epi16(k + 16 * bs, bs, b);
                     for (int j = 0; j < 16; j++) {
