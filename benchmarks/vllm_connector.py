@@ -38,6 +38,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 SUFFIX = 64
+ITEM_BYTES = {"float32": 4, "bfloat16": 2}
 FLUSH_BYTES = 128 << 20  # written between cold copies: larger than the last-level cache
 # glibc's malloc, left to adjust its thresholds, hands vLLM's activations back to the OS and faults them in
 # again: 25,000-80,000 page faults per 2,048-token prefill, a different number in each process (tens of ms
@@ -45,7 +46,7 @@ FLUSH_BYTES = 128 << 20  # written between cold copies: larger than the last-lev
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
-def make_model(path: Path, layers: int, hidden: int) -> None:
+def make_model(path: Path, layers: int, hidden: int, dtype: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -55,7 +56,8 @@ def make_model(path: Path, layers: int, hidden: int) -> None:
         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), head_dim=64,
         max_position_embeddings=8192,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
+    # Saved in `dtype`: its config names it, and `kvpool serve --model` sizes the pool's dtype from it.
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
 
 
 def prompts(seed: int, length: int) -> tuple[list[int], list[int]]:
@@ -83,7 +85,7 @@ def engine_main(config: dict[str, Any]) -> None:
             kv_connector_extra_config={"kvpool_url": config["kvpool_url"]},
         )  # fmt: skip
     llm = LLM(
-        model=config["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
+        model=config["model"], skip_tokenizer_init=True, dtype=config["dtype"], enforce_eager=True, block_size=32,
         max_model_len=4096, enable_prefix_caching=config["prefix_caching"], kv_cache_memory_bytes=1 << 30,
         kv_transfer_config=transfer,
     )  # fmt: skip
@@ -216,9 +218,17 @@ class Engine:
     """One engine process (engine_main), alive until close(): requests are timed in it one at a time."""
 
     def __init__(
-        self, model: str, url: str | None, prefix_caching: bool, prompt_len: int, per_token: int, fixed_malloc: bool
+        self,
+        model: str,
+        url: str | None,
+        prefix_caching: bool,
+        prompt_len: int,
+        per_token: int,
+        fixed_malloc: bool,
+        dtype: str = "float32",
     ) -> None:
         config = {"model": model, "kvpool_url": url, "prefix_caching": prefix_caching, "token_bytes": per_token}
+        config["dtype"] = dtype
         config["warmup_tokens"] = prompt_len
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(FIXED_MALLOC if fixed_malloc else {})}
         self.log = tempfile.TemporaryFile("w+")
@@ -277,8 +287,8 @@ def cpu_pressure() -> float:
 
 
 def token_bytes(args: argparse.Namespace) -> int:
-    """K and V of one token, every layer (float32, KV heads of 64)."""
-    return args.layers * 2 * max(1, args.hidden // 128) * 64 * 4
+    """K and V of one token, every layer (KV heads of 64)."""
+    return args.layers * 2 * max(1, args.hidden // 128) * 64 * ITEM_BYTES[args.dtype]
 
 
 def copy_ceiling(nbytes: int) -> float:
@@ -301,6 +311,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--new", type=int, default=16)
+    parser.add_argument("--dtype", choices=tuple(ITEM_BYTES), default="float32", help="the model's and the pool's")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (each on prompts of its own)")
     parser.add_argument(
         "--malloc", choices=("fixed", "glibc"), default="fixed",
@@ -314,7 +325,7 @@ def main() -> None:
     tb, r = token_bytes(args), range(args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(Path(tmp) / "model")
-        make_model(Path(model), args.layers, args.hidden)
+        make_model(Path(model), args.layers, args.hidden, args.dtype)
         port = 18000 + os.getpid() % 1000
         url = f"http://127.0.0.1:{port}"
         pages = (3 * args.rounds + 4) * args.prompt // 16 + 64  # every prompt saved stays cached
@@ -335,9 +346,9 @@ def main() -> None:
                     time.sleep(0.2)
             # Both engines alive at once, vLLM's own prefix cache on in both; each round times the same fresh
             # prompts on each, in alternating order, so that the machine's drift falls on both alike.
-            alone = Engine(model, None, True, args.prompt, tb, args.malloc == "fixed")
+            alone = Engine(model, None, True, args.prompt, tb, args.malloc == "fixed", args.dtype)
             engines.append(alone)
-            connected = Engine(model, url, True, args.prompt, tb, args.malloc == "fixed")
+            connected = Engine(model, url, True, args.prompt, tb, args.malloc == "fixed", args.dtype)
             engines.append(connected)
             rounds = []
             for i in r:
@@ -362,7 +373,7 @@ def main() -> None:
             first = connected.finish(prompts(10, args.prompt)[0])
             # A fresh engine (its own prefix cache off: hits can only come from kvpool) on the prompts that share
             # all but their last 64 tokens with those the connected engine saved.
-            fresh_engine = Engine(model, url, False, args.prompt, tb, args.malloc == "fixed")
+            fresh_engine = Engine(model, url, False, args.prompt, tb, args.malloc == "fixed", args.dtype)
             engines.append(fresh_engine)
             hits = [fresh_engine.run(prompts(10 + i, args.prompt)[1], 1) for i in r]
             engines.remove(fresh_engine)
@@ -397,7 +408,7 @@ def report(
 
     kv_heads = max(1, args.hidden // 128)
     print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {args.hidden // 64} query / {kv_heads} KV "
-          f"heads of 64, float32; prompt {args.prompt} tokens (shared but the last {SUFFIX}), {args.new} new; "
+          f"heads of 64, {args.dtype}; prompt {args.prompt} tokens (shared but the last {SUFFIX}), {args.new} new; "
           f"vLLM block 32, kvpool page 16; {args.rounds} rounds, medians (min–max); malloc: {args.malloc}")  # fmt: skip
     pressures = " ".join(f"{row['pressure']:.1f}" for row in rounds)
     print(f"  /proc/pressure/cpu some avg10 at each round: {pressures}")
