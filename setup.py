@@ -33,6 +33,10 @@ setup(
         *cythonize(CORE, build_dir="build/cython", language_level=3, compiler_directives={"embedsignature": True}),
         Extension("kernels._cpu_decode", sources=["kernels/_cpu_decode.c"]),
         # The vLLM connector's K/V copies (without it, torch ops do them: service/integrations/vllm_copy.py).
-        Extension("service.integrations._vllm_copy", sources=["service/integrations/_vllm_copy.c"]),
+        Extension(
+            "service.integrations._vllm_copy",
+            sources=["service/integrations/_vllm_copy.c"],
+            depends=["service/integrations/_vllm_copy_wide.h"],
+        ),
     ]
 )

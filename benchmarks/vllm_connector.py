@@ -12,6 +12,16 @@ of a generate() with one new token; "total" generates --new tokens. A hit's prom
 last 64 tokens with a miss's. Before each timed request the connector's queued saves (of the request
 before) finish: each request meets an idle engine. Every engine runs with glibc's malloc thresholds fixed
 (FIXED_MALLOC; `--malloc glibc` leaves glibc's defaults).
+
+The copies' rates (the K and V of every layer of the tokens moved, bytes counted once) are set against a
+torch copy of as many bytes in the same process, a ceiling that is not one number here, so three of them:
+on the engine's main thread, with vLLM's intra-op threads (the memory's bandwidth as more than one core
+draws it; it moves with the other core's load: 11-49 GB/s from run to run on a 2-core machine), and on
+the connector's thread, with one intra-op thread as its copies have, warm (best of 7 back to back: of the
+33 MB, a 32 MB last-level cache keeps part between repetitions) and cold (FLUSH_BYTES written before each
+repetition, as a load meets the pool in a step): a one-thread copy is judged by the last two. The
+connector's copies are also timed alone on its thread, warm and cold. The loads in the steps are shown
+per kvpool hit, and the process's first load (its warm-up's: page tables and caches cold) apart.
 """
 
 import argparse
@@ -28,13 +38,15 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 SUFFIX = 64
+ITEM_BYTES = {"float32": 4, "bfloat16": 2}
+FLUSH_BYTES = 128 << 20  # written between cold copies: larger than the last-level cache
 # glibc's malloc, left to adjust its thresholds, hands vLLM's activations back to the OS and faults them in
 # again: 25,000-80,000 page faults per 2,048-token prefill, a different number in each process (tens of ms
 # between two engines). Fixed thresholds keep them (every engine alike; vLLM's CPU docs preload tcmalloc).
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
-def make_model(path: Path, layers: int, hidden: int) -> None:
+def make_model(path: Path, layers: int, hidden: int, dtype: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,7 +56,8 @@ def make_model(path: Path, layers: int, hidden: int) -> None:
         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), head_dim=64,
         max_position_embeddings=8192,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
+    # Saved in `dtype`: its config names it, and `kvpool serve --model` sizes the pool's dtype from it.
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
 
 
 def prompts(seed: int, length: int) -> tuple[list[int], list[int]]:
@@ -59,6 +72,7 @@ def engine_main(config: dict[str, Any]) -> None:
     {"s", "cached"} (the wall time of its generate()); {"finish": token_ids} answers the connector's counters,
     the copy ceiling and (given token_ids whose pages kvpool holds) the connector's copies."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -71,7 +85,7 @@ def engine_main(config: dict[str, Any]) -> None:
             kv_connector_extra_config={"kvpool_url": config["kvpool_url"]},
         )  # fmt: skip
     llm = LLM(
-        model=config["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
+        model=config["model"], skip_tokenizer_init=True, dtype=config["dtype"], enforce_eager=True, block_size=32,
         max_model_len=4096, enable_prefix_caching=config["prefix_caching"], kv_cache_memory_bytes=1 << 30,
         kv_transfer_config=transfer,
     )  # fmt: skip
@@ -79,7 +93,8 @@ def engine_main(config: dict[str, Any]) -> None:
     warm = [TokensPrompt(prompt_token_ids=[3 + i % 1000 for i in range(config["warmup_tokens"])])]
     llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
     connector: Any = get_kv_transfer_group() if has_kv_transfer_group() else None  # a KVPoolConnector
-    print("RESULT " + json.dumps({"ready": True}), flush=True)
+    # The warm-up's loads (a fresh engine finds its prompt in kvpool): the process's first copies.
+    print("RESULT " + json.dumps({"ready": True, "stats": load_stats(connector)}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if "run" in command:
@@ -88,9 +103,12 @@ def engine_main(config: dict[str, Any]) -> None:
             if connector is not None:
                 connector.wait_for_saves()  # each request meets an idle engine: the saves of the one before are done
             parts, usage = dict(spent), resource.getrusage(resource.RUSAGE_SELF)
+            loads = load_stats(connector)
             began = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
             answer: dict[str, Any] = {"s": time.perf_counter() - began, "cached": out.num_cached_tokens}
+            # This request's loads (done within its steps: the forward waits for them).
+            answer["loads"] = {k: v - loads[k] for k, v in load_stats(connector).items()}
             answer["parts"] = {name: spent[name] - parts.get(name, 0.0) for name in spent}
             after = resource.getrusage(resource.RUSAGE_SELF)
             answer["faults"] = after.ru_minflt - usage.ru_minflt  # page faults: memory touched afresh
@@ -107,8 +125,14 @@ def engine_main(config: dict[str, Any]) -> None:
             # The copy ceiling in this process, now (the machine's load changes from one minute to the next).
             ceiling = copy_ceiling(config["warmup_tokens"] * config["token_bytes"])
             copies = measure_copies(connector, command["finish"]) if connector is not None else {}
-            answer = {"stats": stats, "ceiling": ceiling, "copies": copies}
+            answer = {"stats": stats, "ceiling": ceiling, "copies": copies, "threads": torch.get_num_threads()}
         print("RESULT " + json.dumps(answer), flush=True)
+
+
+def load_stats(connector: Any) -> dict[str, int]:
+    """The connector's load counters so far: tokens loaded and ns spent copying them."""
+    stats = connector.stats if connector is not None else {}
+    return {key: stats.get(key, 0) for key in ("loaded_tokens", "load_copy_ns")}
 
 
 def time_vllm_parts() -> dict[str, float]:
@@ -143,11 +167,14 @@ def time_vllm_parts() -> dict[str, float]:
     return spent
 
 
-def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dict[str, float]:
+def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dict[str, Any]:
     """Seconds (best of `repeat`) of the connector's load and save of the cached pages of `token_ids`, and of a
-    plain torch copy of as many bytes, back to back on the connector's own thread. The load writes into
-    vLLM's first blocks (the engine is idle, its prefix cache off) and the save writes them back into the
-    same pages: the same bytes, so kvpool's cache is unchanged. Pinned by a sequence meanwhile."""
+    plain torch copy of as many bytes, back to back on the connector's own thread (one intra-op thread, as
+    its copies run). The load writes into vLLM's first blocks (the engine is idle, its prefix cache off) and
+    the save writes them back into the same pages: the same bytes, so kvpool's cache is unchanged. Pinned by
+    a sequence meanwhile. Each is timed warm (repeated back to back: the last-level cache keeps part of the
+    bytes of the repetition before; 33 MB here, 32 MB of L3 on this machine's EPYC) and cold (FLUSH_BYTES
+    written before each repetition, so none of them is cached: as a load meets the pool in a step)."""
     import torch
 
     link, copier = connector._link, connector._copier  # (internals: this is a benchmark)
@@ -155,11 +182,14 @@ def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dic
     n = info.cached_tokens // connector._block_size * connector._block_size
     pages, blocks = info.block_table, list(range(1, 1 + -(-n // connector._block_size)))  # (0: vLLM's null block)
     pool = link.pool.blocks
+    flush = torch.empty(FLUSH_BYTES // 4)
 
-    def best(fn: Any) -> float:
+    def best(fn: Any, cold: bool) -> float:
         def timed() -> float:
             fastest = float("inf")
             for _ in range(repeat):
+                if cold:
+                    flush.fill_(1.0)
                 began = time.perf_counter()
                 fn()
                 fastest = min(fastest, time.perf_counter() - began)
@@ -169,15 +199,17 @@ def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dic
 
     nbytes = n * pool[0].numel() // pool.shape[3] * pool.element_size()
     src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    fns = {
+        "load": lambda: copier.load(pool, pages, blocks, 0, n),
+        "save": lambda: copier.save(pool, blocks, pages, 0, n),
+        "copy": lambda: dst.copy_(src),
+    }
     try:
-        return {
-            "tokens": n,
-            "bytes": nbytes,
-            "load_s": best(lambda: copier.load(pool, pages, blocks, 0, n)),
-            "save_s": best(lambda: copier.save(pool, blocks, pages, 0, n)),
-            "copy_s": best(lambda: dst.copy_(src)),
-            "native": copier.native,
-        }
+        result: dict[str, Any] = {"tokens": n, "bytes": nbytes, "native": copier.native}
+        for cold in (False, True):
+            result.update({f"{name}{'_cold' if cold else ''}_s": best(fn, cold) for name, fn in fns.items()})
+        result["build"] = copier.build
+        return result
     finally:
         link.client.free("bench-copies")
 
@@ -186,9 +218,17 @@ class Engine:
     """One engine process (engine_main), alive until close(): requests are timed in it one at a time."""
 
     def __init__(
-        self, model: str, url: str | None, prefix_caching: bool, prompt_len: int, per_token: int, fixed_malloc: bool
+        self,
+        model: str,
+        url: str | None,
+        prefix_caching: bool,
+        prompt_len: int,
+        per_token: int,
+        fixed_malloc: bool,
+        dtype: str = "float32",
     ) -> None:
         config = {"model": model, "kvpool_url": url, "prefix_caching": prefix_caching, "token_bytes": per_token}
+        config["dtype"] = dtype
         config["warmup_tokens"] = prompt_len
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(FIXED_MALLOC if fixed_malloc else {})}
         self.log = tempfile.TemporaryFile("w+")
@@ -196,7 +236,7 @@ class Engine:
             [sys.executable, "-m", "benchmarks.vllm_connector", "--engine", json.dumps(config)],
             cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
         )  # fmt: skip
-        self._answer()  # ready
+        self.ready = self._answer()  # {"ready", "stats": the warm-up's loads}
 
     def _answer(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -247,8 +287,8 @@ def cpu_pressure() -> float:
 
 
 def token_bytes(args: argparse.Namespace) -> int:
-    """K and V of one token, every layer (float32, KV heads of 64)."""
-    return args.layers * 2 * max(1, args.hidden // 128) * 64 * 4
+    """K and V of one token, every layer (KV heads of 64)."""
+    return args.layers * 2 * max(1, args.hidden // 128) * 64 * ITEM_BYTES[args.dtype]
 
 
 def copy_ceiling(nbytes: int) -> float:
@@ -271,6 +311,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--new", type=int, default=16)
+    parser.add_argument("--dtype", choices=tuple(ITEM_BYTES), default="float32", help="the model's and the pool's")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (each on prompts of its own)")
     parser.add_argument(
         "--malloc", choices=("fixed", "glibc"), default="fixed",
@@ -284,7 +325,7 @@ def main() -> None:
     tb, r = token_bytes(args), range(args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(Path(tmp) / "model")
-        make_model(Path(model), args.layers, args.hidden)
+        make_model(Path(model), args.layers, args.hidden, args.dtype)
         port = 18000 + os.getpid() % 1000
         url = f"http://127.0.0.1:{port}"
         pages = (3 * args.rounds + 4) * args.prompt // 16 + 64  # every prompt saved stays cached
@@ -305,9 +346,9 @@ def main() -> None:
                     time.sleep(0.2)
             # Both engines alive at once, vLLM's own prefix cache on in both; each round times the same fresh
             # prompts on each, in alternating order, so that the machine's drift falls on both alike.
-            alone = Engine(model, None, True, args.prompt, tb, args.malloc == "fixed")
+            alone = Engine(model, None, True, args.prompt, tb, args.malloc == "fixed", args.dtype)
             engines.append(alone)
-            connected = Engine(model, url, True, args.prompt, tb, args.malloc == "fixed")
+            connected = Engine(model, url, True, args.prompt, tb, args.malloc == "fixed", args.dtype)
             engines.append(connected)
             rounds = []
             for i in r:
@@ -332,17 +373,23 @@ def main() -> None:
             first = connected.finish(prompts(10, args.prompt)[0])
             # A fresh engine (its own prefix cache off: hits can only come from kvpool) on the prompts that share
             # all but their last 64 tokens with those the connected engine saved.
-            fresh_engine = Engine(model, url, False, args.prompt, tb, args.malloc == "fixed")
+            fresh_engine = Engine(model, url, False, args.prompt, tb, args.malloc == "fixed", args.dtype)
             engines.append(fresh_engine)
             hits = [fresh_engine.run(prompts(10 + i, args.prompt)[1], 1) for i in r]
             engines.remove(fresh_engine)
             fresh = fresh_engine.finish(prompts(10, args.prompt)[1])
+            fresh["warmup_loads"] = fresh_engine.ready["stats"]
         finally:
             for engine in engines:
                 engine.close()
             server.terminate()
             server.wait(30)
     report(args, rounds, hits, alone_result, first, fresh)
+
+
+def shares(rate: float, ceilings: dict[str, float]) -> str:
+    """`rate` as a share of each ceiling."""
+    return ", ".join(f"{rate / c:.0%} of {what}" for what, c in ceilings.items())
 
 
 def spread(values: list[float]) -> str:
@@ -361,7 +408,7 @@ def report(
 
     kv_heads = max(1, args.hidden // 128)
     print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {args.hidden // 64} query / {kv_heads} KV "
-          f"heads of 64, float32; prompt {args.prompt} tokens (shared but the last {SUFFIX}), {args.new} new; "
+          f"heads of 64, {args.dtype}; prompt {args.prompt} tokens (shared but the last {SUFFIX}), {args.new} new; "
           f"vLLM block 32, kvpool page 16; {args.rounds} rounds, medians (min–max); malloc: {args.malloc}")  # fmt: skip
     pressures = " ".join(f"{row['pressure']:.1f}" for row in rounds)
     print(f"  /proc/pressure/cpu some avg10 at each round: {pressures}")
@@ -411,25 +458,52 @@ def report(
         print(f"  the kvpool server's CPU per {key} request of the connected engine, mean: {1000 * server:.1f} ms")
     st = first["stats"]
     print(f"  the connected engine's connector (all its requests): {st}")
+    hit_loads = [h["loads"] for h in hits if h["loads"]["loaded_tokens"]]
     for name, phase_result, done, where in (
         ("load", fresh, "loaded_tokens", "the step waits for them"),
         ("save", first, "saved_tokens", "on the connector's thread, beside the steps"),
     ):
-        stats, ceiling = phase_result["stats"], phase_result["ceiling"]  # a plain copy in the same process
+        stats, copies = phase_result["stats"], phase_result["copies"]
         tokens, copy_ns, all_ns = stats.get(done, 0), stats.get(f"{name}_copy_ns"), stats.get(f"{name}_ns")
-        if copy_ns:
-            rate = tokens * token_bytes(args) / (copy_ns / 1e9)
-            print(f"  {name}: {tokens} tokens, {rate / 1e9:.2f} GB/s = {rate / ceiling:.0%} of a torch copy "
-                  f"({ceiling / 1e9:.2f} GB/s; target >= 50%); copies {copy_ns / 1e6:.1f} ms of "
-                  f"{(all_ns or 0) / 1e6:.1f} ms in {name}s ({where})")  # fmt: skip
-    copies = fresh.get("copies")
-    if copies and copies["tokens"]:
-        size, ceiling = copies["bytes"], copies["bytes"] / copies["copy_s"]
-        print(f"  the connector's copies, {copies['tokens']} tokens ({size / 1e6:.1f} MB), best of 7 on its thread "
-              f"({'compiled' if copies['native'] else 'torch ops'}): load {size / copies['load_s'] / 1e9:.2f} GB/s "
-              f"= {copies['copy_s'] / copies['load_s']:.0%}, save {size / copies['save_s'] / 1e9:.2f} GB/s = "
-              f"{copies['copy_s'] / copies['save_s']:.0%} of a torch copy there "
-              f"({ceiling / 1e9:.2f} GB/s)")  # fmt: skip
+        if not copy_ns or not copies.get("tokens"):
+            continue
+        # Ceilings, a torch copy of as many bytes in the same process: on its main thread with vLLM's
+        # intra-op threads (the memory's bandwidth, more than one thread draws), and on the connector's one
+        # thread (where the copies run), cold (nothing cached, as in a step) and warm.
+        ceilings = {
+            f"{phase_result['threads']} threads": phase_result["ceiling"],
+            "1 thread, cold": copies["bytes"] / copies["copy_cold_s"],
+            "1 thread, warm": copies["bytes"] / copies["copy_s"],
+        }
+        rate = tokens * token_bytes(args) / (copy_ns / 1e9)
+        print(f"  {name}s in the steps, all of the engine's: {tokens} tokens, {rate / 1e9:.2f} GB/s = "
+              f"{shares(rate, ceilings)}; copies {copy_ns / 1e6:.1f} ms of {(all_ns or 0) / 1e6:.1f} ms in "
+              f"{name}s ({where})")  # fmt: skip
+        if name == "load":
+            first_load = fresh.get("warmup_loads", {})
+            per_hit = [h["loaded_tokens"] * token_bytes(args) / (h["load_copy_ns"] / 1e9) for h in hit_loads]
+            if per_hit:
+                print(f"    per kvpool hit ({len(per_hit)}): {spread([r / 1e9 for r in per_hit])} GB/s, median = "
+                      f"{shares(sorted(per_hit)[len(per_hit) // 2], ceilings)}")  # fmt: skip
+            if first_load.get("load_copy_ns"):
+                rate = first_load["loaded_tokens"] * token_bytes(args) / (first_load["load_copy_ns"] / 1e9)
+                print(f"    the process's first load (its warm-up's, {first_load['loaded_tokens']} tokens): "
+                      f"{rate / 1e9:.2f} GB/s = {shares(rate, ceilings)}")  # fmt: skip
+        print("    ceilings (GB/s): " + ", ".join(f"{what} {c / 1e9:.2f}" for what, c in ceilings.items()))
+    for engine, phase_result in (("fresh", fresh), ("miss", first)):
+        copies = phase_result.get("copies")
+        if not copies or not copies["tokens"]:
+            continue
+        size = copies["bytes"]
+        build = f"compiled, {copies['build']}" if copies["native"] else "torch ops"
+        temps = []
+        for temp, tail in (("warm", ""), ("cold", "_cold")):
+            copy_s, load_s, save_s = copies[f"copy{tail}_s"], copies[f"load{tail}_s"], copies[f"save{tail}_s"]
+            temps.append(f"{temp}: load {size / load_s / 1e9:.2f} GB/s = {copy_s / load_s:.0%}, save "
+                         f"{size / save_s / 1e9:.2f} GB/s = {copy_s / save_s:.0%} of a torch copy there "
+                         f"({size / copy_s / 1e9:.2f} GB/s)")  # fmt: skip
+        print(f"  the {engine} engine's copies, {copies['tokens']} tokens ({size / 1e6:.1f} MB), best of 7 on the "
+              f"connector's thread ({build}; target >= 50%): " + "; ".join(temps))  # fmt: skip
 
 
 if __name__ == "__main__":

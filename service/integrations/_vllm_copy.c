@@ -7,7 +7,14 @@
  *         then V ([block_size, D]), vLLM 0.32's CPU attention layout (checked at start by vllm_layout)
  * runs:   int64 [n, 4]: (block, offset in block, page, offset in page) of each run of `g` tokens
  *
- * Every argument and every run is checked before anything is copied, so a failure writes nothing. */
+ * Every argument and every run is checked before anything is copied, so a failure writes nothing.
+ *
+ * Builds of the per-run copies: wide ones (AVX-512, else AVX2, where the CPU has it: K transposed by tiles of
+ * 16 x 16 items in registers, stores of whole 64-byte lines) for 4-byte items (AVX2 for 2-byte items) whose
+ * shapes and buffers suit them, else a narrow one (SSE2 and scalar: any shape). Measured on an AMD EPYC
+ * (Zen 5), one thread, 33 MB: the narrow load's K pass moved its bytes at ~45 % of a plain copy's rate (V
+ * ~95 %): its 4 x 4 transposes and staging cost more instructions than the memory takes time; the AVX-512
+ * load runs at ~95-110 % of a torch copy. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -152,42 +159,103 @@ static inline void transpose4(const uint32_t *src, Py_ssize_t sstride, uint32_t 
 RUN_COPY(uint32_t)
 RUN_COPY(uint16_t)
 
+#include "_vllm_copy_wide.h"
+
 /* All the V, then all the K (measured: interleaved per run, the two took twice the time they take apart);
  * saves layer by layer (each layer's cache read as one stream), loads page by page. */
-#define COPY_ONE(T, part, r, l)                                                                              \
+#define COPY_ONE(T, RUN_K, RUN_V, part, r, l)                                                                \
     do {                                                                                                     \
         const int64_t *run = runs + 4 * (r);                                                                 \
         T *page = (T *)pool->buf + run[2] * page_stride + (l) * layer_stride + run[3] * H * D;                \
         T *block = (T *)caches[l].buf + run[0] * block_stride;                                               \
         if (part)                                                                                            \
-            run_k_##T(page, block, run[1], g, H, D, bs, to_pool);                                            \
+            RUN_K(page, block, run[1], g, H, D, bs, to_pool);                                                \
         else                                                                                                 \
-            run_v_##T(page + L * layer_stride, block, run[1], g, H, D, bs, to_pool);                         \
+            RUN_V(page + L * layer_stride, block, run[1], g, H, D, bs, to_pool);                             \
     } while (0)
-#define COPY_LOOP(T)                                                                                         \
+#define COPY_LOOP(T, RUN_K, RUN_V)                                                                           \
     for (int part = 0; part < 2; part++) {                                                                   \
         if (to_pool) {                                                                                       \
             for (Py_ssize_t l = 0; l < L; l++)                                                               \
                 for (Py_ssize_t r = 0; r < n_runs; r++)                                                      \
-                    COPY_ONE(T, part, r, l);                                                                 \
+                    COPY_ONE(T, RUN_K, RUN_V, part, r, l);                                                   \
         } else {                                                                                             \
             for (Py_ssize_t r = 0; r < n_runs; r++)                                                          \
                 for (Py_ssize_t l = 0; l < L; l++)                                                           \
-                    COPY_ONE(T, part, r, l);                                                                 \
+                    COPY_ONE(T, RUN_K, RUN_V, part, r, l);                                                   \
         }                                                                                                    \
     }
 
+static int aligned64(const void *p) { return ((uintptr_t)p & 63) == 0; }
+
+/* The build that takes this copy: the widest of the CPU's up to `widest`, where the shapes and buffers suit
+ * a wide one (see HAVE_WIDE). */
+static int build_for(const Py_buffer *pool, const Py_buffer *caches, Py_ssize_t n_caches, Py_ssize_t g, int widest) {
+    const Py_ssize_t D = pool->shape[5], bs = caches[0].shape[2];
+    const Py_ssize_t line = 64 / pool->itemsize; /* items per line */
+    /* 4-byte items: up to AVX-512; 2-byte items: AVX2 (a line of K in a block needs bs a multiple of 32) */
+    const int cap = pool->itemsize == 4 ? WIDE_AVX512 : WIDE_AVX2;
+    if (D % line || g % 16 || bs % line || !aligned64(pool->buf))
+        return NARROW;
+    for (Py_ssize_t i = 0; i < n_caches; i++)
+        if (!aligned64(caches[i].buf))
+            return NARROW;
+    const int build = widest < cpu_build ? widest : cpu_build;
+    return build < cap ? build : cap;
+}
+
 static void copy_runs(const Py_buffer *pool, const Py_buffer *caches, const int64_t *runs, Py_ssize_t n_runs,
-                      Py_ssize_t g, int to_pool) {
+                      Py_ssize_t g, int to_pool, int build) {
     const Py_ssize_t L = pool->shape[2], ps = pool->shape[3], H = pool->shape[4], D = pool->shape[5];
     const Py_ssize_t bs = caches[0].shape[2];
     const Py_ssize_t layer_stride = ps * H * D, page_stride = 2 * L * layer_stride;
     const Py_ssize_t block_stride = H * bs * 2 * D;
-    (void)ps;
+#if HAVE_WIDE
+    if (build == WIDE_AVX512) {
+        COPY_LOOP(uint32_t, run_k_avx512, run_v_avx512)
+        FENCE();
+        return;
+    }
+    if (build == WIDE_AVX2 && pool->itemsize == 4) {
+        COPY_LOOP(uint32_t, run_k_avx2, run_v_avx2)
+        FENCE();
+        return;
+    }
+    if (build == WIDE_AVX2 && !to_pool && g == 16) {
+        /* 2-byte loads in runs of 16 (half a line of K): the V as usual, then the K of two runs at a time
+         * where they fill a line together */
+        for (Py_ssize_t r = 0; r < n_runs; r++)
+            for (Py_ssize_t l = 0; l < L; l++)
+                COPY_ONE(uint16_t, run_k_avx2_16, run_v_avx2_16, 0, r, l);
+        for (Py_ssize_t r = 0, step; r < n_runs; r += step) {
+            const int64_t *run = runs + 4 * r;
+            step = r + 1 < n_runs && run[4] == run[0] && run[5] == run[1] + 16 && run[1] % 32 == 0 ? 2 : 1;
+            for (Py_ssize_t l = 0; l < L; l++) {
+                if (step == 1) {
+                    COPY_ONE(uint16_t, run_k_avx2_16, run_v_avx2_16, 1, r, l);
+                    continue;
+                }
+                const uint16_t *base = (const uint16_t *)pool->buf + l * layer_stride;
+                load_k_pair_avx2_16(base + run[2] * page_stride + run[3] * H * D,
+                                    base + run[6] * page_stride + run[7] * H * D,
+                                    (uint16_t *)caches[l].buf + run[0] * block_stride, run[1], H, D, bs);
+            }
+        }
+        FENCE();
+        return;
+    }
+    if (build == WIDE_AVX2) {
+        COPY_LOOP(uint16_t, run_k_avx2_16, run_v_avx2_16)
+        FENCE();
+        return;
+    }
+#else
+    (void)build;
+#endif
     if (pool->itemsize == 4) {
-        COPY_LOOP(uint32_t)
+        COPY_LOOP(uint32_t, run_k_uint32_t, run_v_uint32_t)
     } else {
-        COPY_LOOP(uint16_t)
+        COPY_LOOP(uint16_t, run_k_uint16_t, run_v_uint16_t)
     }
     FENCE(); /* the streamed stores are visible to other threads (the reader of the pool or the cache) after this */
 }
@@ -195,9 +263,18 @@ static void copy_runs(const Py_buffer *pool, const Py_buffer *caches, const int6
 static PyObject *copy(PyObject *self, PyObject *args) {
     PyObject *pool_obj, *caches_obj, *runs_obj;
     Py_ssize_t g;
-    int to_pool;
-    if (!PyArg_ParseTuple(args, "OOOnp", &pool_obj, &caches_obj, &runs_obj, &g, &to_pool))
+    int to_pool, widest = WIDE_AVX512;
+    const char *widest_name = NULL;
+    if (!PyArg_ParseTuple(args, "OOOnp|s", &pool_obj, &caches_obj, &runs_obj, &g, &to_pool, &widest_name))
         return NULL;
+    if (widest_name != NULL) {
+        for (widest = WIDE_AVX512; widest >= NARROW && strcmp(widest_name, BUILD_NAMES[widest]); widest--)
+            ;
+        if (widest < NARROW) {
+            PyErr_Format(PyExc_ValueError, "widest: expected 'avx512', 'avx2' or 'narrow', not '%s'", widest_name);
+            return NULL;
+        }
+    }
     PyObject *seq = PySequence_Fast(caches_obj, "caches: expected a sequence of arrays");
     if (seq == NULL)
         return NULL;
@@ -248,10 +325,11 @@ static PyObject *copy(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    const int build = build_for(&pool, caches, n_caches, g, widest);
     Py_BEGIN_ALLOW_THREADS
-    copy_runs(&pool, caches, runs.buf, n_runs, g, to_pool);
+    copy_runs(&pool, caches, runs.buf, n_runs, g, to_pool, build);
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
+    result = PyUnicode_FromString(BUILD_NAMES[build]);
 done:
     for (Py_ssize_t i = 0; i < got; i++)
         if (caches[i].obj != NULL)
@@ -267,11 +345,20 @@ done:
 
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS,
-     "copy(pool, caches, runs, g, to_pool): copy the runs of g tokens of every layer, vLLM blocks -> pool pages "
-     "(to_pool) or back"},
+     "copy(pool, caches, runs, g, to_pool, widest='avx512'): copy the runs of g tokens of every layer, vLLM "
+     "blocks -> pool pages (to_pool) or back, with the widest build up to `widest` that the CPU, the shapes and "
+     "the buffers allow ('avx512', 'avx2', 'narrow'); returns the build's name"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_vllm_copy", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__vllm_copy(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__vllm_copy(void) {
+    cpu_build = cpu_wide();
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "CPU_BUILD", BUILD_NAMES[cpu_build]) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -3,7 +3,11 @@
 `KVCopier` does both directions for a worker: with the compiled copy (_vllm_copy.c, built by setup.py)
 two passes (the V, then the K) over every layer per call, runs of g = gcd(page_size, block_size) tokens,
 streaming stores where whole lines are written, without the GIL
-(a save on the connector's thread leaves vLLM's Python running); else with the torch ops below.
+(a save on the connector's thread leaves vLLM's Python running); else with the torch ops below. The
+compiled copy has wide builds (AVX-512, else AVX2: K transposed 16 x 16 in registers; float32 pools with
+head_dim and block size multiples of 16, or AVX2 for 2-byte pools with multiples of 32; g a multiple of
+16; 64-byte aligned buffers), taken where the CPU and the shapes allow,
+and a narrow one (SSE2 and scalar) for everything else; `widest` caps the build (tests run each).
 
 kvpool's pool is page-major, [num_pages + 1, 2, num_layers, page_size, kv_heads, head_dim]: one layer's K
 (or V) of a page is a contiguous [page_size, H, D], token-major. One layer's vLLM CPU block is
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from service.integrations.vllm_layout import kv_views
@@ -154,14 +159,18 @@ def save_layer(cache: torch.Tensor, pool_layer: torch.Tensor, plan: SavePlan, bu
 
 def run_table(block_ids: list[int], block_size: int, pages: list[int], page_size: int, start: int, end: int) -> Any:
     """int64 [n, 4]: (block, offset, page, offset) of each run of g = gcd(block_size, page_size) tokens in
-    [start, end) of a sequence (block_ids / pages from its token 0), as a numpy array."""
+    [start, end) of a sequence (block_ids / pages from its token 0), as a numpy array (numpy, not torch: a
+    third of the time, ~12 us for 126 runs, inside each load's and save's timed copy)."""
     g = math.gcd(block_size, page_size)
     if start % g or end % g:
         raise ValueError(f"tokens [{start}, {end}) are not runs of {g}")
-    tokens = torch.arange(start, end, g)
-    blocks, page_ids = torch.tensor(block_ids, dtype=torch.int64), torch.tensor(pages, dtype=torch.int64)
-    table = [blocks[tokens // block_size], tokens % block_size, page_ids[tokens // page_size], tokens % page_size]
-    return torch.stack(table, dim=1).contiguous().numpy()
+    tokens = np.arange(start, end, g, dtype=np.int64)
+    table = np.empty((len(tokens), 4), dtype=np.int64)
+    table[:, 0] = np.asarray(block_ids, dtype=np.int64)[tokens // block_size]
+    table[:, 1] = tokens % block_size
+    table[:, 2] = np.asarray(pages, dtype=np.int64)[tokens // page_size]
+    table[:, 3] = tokens % page_size
+    return table
 
 
 def raw(tensor: torch.Tensor) -> Any:
@@ -174,9 +183,15 @@ class KVCopier:
     its attention backend's cache writer (the torch path's loads store with it)."""
 
     def __init__(
-        self, caches: dict[int, torch.Tensor], writers: dict[int, Writer], block_size: int, native: bool = True
+        self,
+        caches: dict[int, torch.Tensor],
+        writers: dict[int, Writer],
+        block_size: int,
+        native: bool = True,
+        widest: str = "avx512",
     ) -> None:
-        self.caches, self.writers, self.block_size = caches, writers, block_size
+        self.caches, self.writers, self.block_size, self._widest = caches, writers, block_size, widest
+        self.build = ""  # the compiled build of the last copy: "avx512", "avx2" or "narrow" ("": none yet)
         layers = [caches[i] for i in range(len(caches))]
         use = (
             native and NATIVE is not None and all(c.device.type == "cpu" and c.element_size() in (2, 4) for c in layers)
@@ -212,4 +227,5 @@ class KVCopier:
         """Either direction through the compiled copy (self._raw is set only where NATIVE is built)."""
         assert NATIVE is not None and self._raw is not None
         runs = run_table(block_ids, self.block_size, pages, pool.shape[3], start, end)
-        NATIVE.copy(raw(pool), self._raw, runs, math.gcd(self.block_size, pool.shape[3]), to_pool)
+        g = math.gcd(self.block_size, pool.shape[3])
+        self.build = NATIVE.copy(raw(pool), self._raw, runs, g, to_pool, self._widest)

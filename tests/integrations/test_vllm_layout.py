@@ -61,18 +61,35 @@ def cpu_writer(cache: torch.Tensor) -> Any:
     return write
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
+BUILDS = ["narrow", "avx2", "avx512"]  # narrowest first
+
+
+def expected_build(widest: str, suits_wide: bool, two_bytes: bool = False) -> str:
+    """The compiled build a copy takes: the widest up to `widest` that this CPU runs (AVX2 at most for 2-byte
+    items), if the copy suits one."""
+    from service.integrations.vllm_copy import NATIVE
+
+    assert NATIVE is not None
+    cap = BUILDS.index("avx2" if two_bytes else "avx512")
+    return BUILDS[min(BUILDS.index(widest), BUILDS.index(NATIVE.CPU_BUILD), cap)] if suits_wide else "narrow"
+
+
+@pytest.mark.parametrize("build", ["avx512", "avx2", "narrow", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [16, 32, 64, 48, 8])  # runs of 16 or 32 tokens, and of 8
 @pytest.mark.parametrize("consecutive", [False, True])
 @pytest.mark.parametrize(("first", "last"), [(0, 3), (1, 4), (2, 3), (0, 1)])
 def test_save_and_load_match_a_token_by_token_copy(
-    native: bool, dtype: torch.dtype, page_size: int, consecutive: bool, first: int, last: int
+    build: str, dtype: torch.dtype, page_size: int, consecutive: bool, first: int, last: int
 ) -> None:
     """The tokens of pages [first, last) of a sequence go from vLLM blocks (32) into pool pages and back,
-    exactly, and nothing else in the pool or the blocks changes; ids scattered or consecutive."""
+    exactly, and nothing else in the pool or the blocks changes; ids scattered or consecutive. Each build of
+    the compiled copy (a wide one where the CPU has it and the shapes suit it: runs of 16 or 32; bf16 loads
+    in runs of 16 pair the runs that fill a line of K, or write half a line where a range starts or ends
+    mid-line)."""
     from service.integrations.vllm_copy import NATIVE, KVCopier
 
+    native = build != "torch"
     start, end = first * page_size, last * page_size  # the connector saves and loads whole pages
     if native and NATIVE is None:
         pytest.fail("service/integrations/_vllm_copy.c is not built (python setup.py build_ext --inplace)")
@@ -94,20 +111,52 @@ def test_save_and_load_match_a_token_by_token_copy(
         k, v = kv_views(cache)
         expected[in_pages[0], 0, layer, in_pages[1]] = k[in_blocks[0], :, in_blocks[1]]
         expected[in_pages[0], 1, layer, in_pages[1]] = v[in_blocks[0], :, in_blocks[1]]
-    copier = KVCopier(dict(enumerate(caches)), {}, block, native=native)
+    widest = build if native else "avx512"
+    copier = KVCopier(dict(enumerate(caches)), {}, block, native=native, widest=widest)
     assert copier.native == native
+    two_bytes = dtype == torch.bfloat16
+    taken = expected_build(widest, page_size % 16 == 0, two_bytes) if native else ""
     for _ in range(2):  # the second time through reused buffers
         copier.save(pool, block_ids, pages, start, end)
         assert torch.equal(pool, expected)
+        assert copier.build == taken
     loaded = [torch.zeros_like(cache) for cache in caches]
     writers = {layer: cpu_writer(cache) for layer, cache in enumerate(loaded)}
-    KVCopier(dict(enumerate(loaded)), writers, block, native=native).load(pool, pages, block_ids, start, end)
+    loader = KVCopier(dict(enumerate(loaded)), writers, block, native=native, widest=widest)
+    loader.load(pool, pages, block_ids, start, end)
+    assert loader.build == taken
     for cache, original in zip(loaded, caches, strict=True):
         (k, v), (k0, v0) = kv_views(cache), kv_views(original)
         assert torch.equal(k[in_blocks[0], :, in_blocks[1]], k0[in_blocks[0], :, in_blocks[1]])
         assert torch.equal(v[in_blocks[0], :, in_blocks[1]], v0[in_blocks[0], :, in_blocks[1]])
         copied = k0[in_blocks[0], :, in_blocks[1]], v0[in_blocks[0], :, in_blocks[1]]
         assert int((cache != 0).sum()) == sum(int((x != 0).sum()) for x in copied)  # nothing else written
+
+
+def test_buffers_off_64_byte_lines_take_the_narrow_build_exactly() -> None:
+    """A pool and caches that start 4 bytes into a line (views into larger buffers): the wide builds'
+    stores need whole lines, so the narrow build copies them, to the same result."""
+    from service.integrations.vllm_copy import NATIVE, KVCopier
+
+    if NATIVE is None:
+        pytest.fail("service/integrations/_vllm_copy.c is not built (python setup.py build_ext --inplace)")
+    gen = torch.Generator().manual_seed(7)
+    layers, heads, d, block, page_size = 2, 2, 32, 32, 16
+    sources = [torch.randn(6, heads, block, 2 * d, generator=gen) for _ in range(layers)]
+
+    def placed(tensor: torch.Tensor, shifted: bool) -> torch.Tensor:
+        """A copy of `tensor`, 4 bytes past torch's 64-byte aligned start if shifted."""
+        flat = torch.empty(1 + tensor.numel())
+        return flat[int(shifted) : int(shifted) + tensor.numel()].view(tensor.shape).copy_(tensor)
+
+    pools = []
+    for shifted in (False, True):
+        pool = placed(torch.zeros(9, 2, layers, page_size, heads, d), shifted)
+        copier = KVCopier({i: placed(c, shifted) for i, c in enumerate(sources)}, {}, block)
+        copier.save(pool, [3, 1, 4], [2, 7, 1, 8, 5, 6], 0, 96)
+        assert copier.build == expected_build("avx512", suits_wide=not shifted)
+        pools.append(pool)
+    assert torch.equal(pools[0], pools[1]) and int(pools[0].count_nonzero()) == 96 * layers * 2 * heads * d
 
 
 def test_the_compiled_copy_checks_every_run_before_it_writes() -> None:
@@ -122,6 +171,8 @@ def test_the_compiled_copy_checks_every_run_before_it_writes() -> None:
     with pytest.raises(ValueError, match=r"run 1 \(block 3 \+ 16, page 4 \+ 8\) is outside"):
         NATIVE.copy(raw(pool), [raw(c) for c in caches], runs, 16, False)
     assert all(int(c.count_nonzero()) == 0 for c in caches)  # not even the good run was copied
+    with pytest.raises(ValueError, match="widest: expected 'avx512', 'avx2' or 'narrow', not 'avx3'"):
+        NATIVE.copy(raw(pool), [raw(c) for c in caches], runs[:1], 16, False, "avx3")
     with pytest.raises(ValueError, match="one layer per cache"):
         NATIVE.copy(raw(pool), [raw(caches[0])], runs[:1], 16, False)
     with pytest.raises(ValueError, match="expected \\[blocks, H, block_size, 2 \\* D\\]"):
