@@ -48,9 +48,17 @@ from service.tiers.stats import TierStats
 
 MAGIC = b"kvpool-remote-v2"  # v2: XXH3-64 instead of zlib's CRC-32 (6.8 GB/s here: a fifth of a restore)
 Chain = tuple[list[bytes], list[bytes]]  # page hashes, token bytes
-READ_BATCH = 32  # keys per pipelined GETEX batch: no batch is sent after the first bad entry
+# Values per pipelined GETEX batch (two batches in flight; none sent after the first bad entry): about
+# READ_BATCH_BYTES of them, at most READ_BATCH. Small batches keep what the store has in flight (its
+# reply buffers, the socket's) in the caches: 8 values of 256 KiB restored a 64 MiB prefix in ~29 ms
+# where 32 took ~40 (kvpool bench tiers, side by side on the 2-core machine, BENCHMARKS.md).
+READ_BATCH, READ_BATCH_BYTES = 32, 2 << 20
 COUNT_BATCH = 128  # keys per pipelined EXISTS batch: a count stops at the first batch that comes back short
 CHECKSUM = struct.Struct("<Q")  # xxhash's XXH3-64, at memory speed
+
+
+def read_batch(page_nbytes: int) -> int:
+    return max(1, min(READ_BATCH, READ_BATCH_BYTES // page_nbytes))
 
 
 def geometry(s: Settings) -> str:
@@ -164,7 +172,7 @@ class RemoteStore:
         """The entries of `hashes` (token bytes `tokens`), each page's bytes received into `pages[i]`
         (its parts in turn: a pool page's K/V then its scales), each checked as it arrives; returns how
         many, from the first, are intact. What lies in the pages after those is garbage: never to be
-        used. Pipelined GETEXs in batches of READ_BATCH keys, the next batch sent before the replies to
+        used. Pipelined GETEXs in batches (read_batch()), the next batch sent before the replies to
         the current one are read (two in flight), no batch sent after the first bad entry; on the
         caller's thread, not the loop. Each read refreshes the TTL of what it finds. Raises the
         client's errors (OSError, redis or RESP errors)."""
@@ -178,18 +186,19 @@ class RemoteStore:
         checksum = bytearray(CHECKSUM.size)
         value_nbytes = len(header) + self.page_nbytes + len(checksum)
         scratch = [memoryview(bytearray(value_nbytes))]  # values after a bad one: read off, not kept
-        batches = range(0, len(hashes), READ_BATCH)
+        batch = read_batch(self.page_nbytes)
+        batches = range(0, len(hashes), batch)
         sent = num = 0
         intact = True
         for k, start in enumerate(batches):
             while intact and sent < min(k + 2, len(batches)):
-                keys = self._keys(hashes[batches[sent] : batches[sent] + READ_BATCH])
+                keys = self._keys(hashes[batches[sent] : batches[sent] + batch])
                 reader.send_getex([key.encode() for key in keys], self.ttl_s)
                 sent += 1
             if k >= sent:
                 break
             redirected = False
-            for i in range(start, min(start + READ_BATCH, len(hashes))):
+            for i in range(start, min(start + batch, len(hashes))):
                 parts = [memoryview(header), *pages[i], memoryview(checksum)] if intact else scratch
                 n = reader.read_value(parts)
                 redirected |= n == REDIRECTED
@@ -215,10 +224,10 @@ class RemoteStore:
     def _get_into_redispy(self, hashes: list[bytes], tokens: list[bytes], pages: Sequence[Sequence[memoryview]]) -> int:
         """get_into through redis-py (a cluster or TLS options the reader does not handle): its values
         are bytes, checked, then copied into the pages."""
-        num = 0
-        for start in range(0, len(hashes), READ_BATCH):
+        num, batch = 0, read_batch(self.page_nbytes)
+        for start in range(0, len(hashes), batch):
             pipe = self.client().pipeline(transaction=False)
-            for key in self._keys(hashes[start : start + READ_BATCH]):
+            for key in self._keys(hashes[start : start + batch]):
                 pipe.getex(key, ex=self.ttl_s)
             values: list[bytes | None] = pipe.execute()
             for i, value in enumerate(values, start):
