@@ -44,6 +44,8 @@ class SharedTier:
         self._writer: asyncio.Task[None] | None = None
         self._read = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-remote-read")
         self._write = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-remote-write")
+        self._staging: np.ndarray | None = None  # read_into's host rows on a pool off the host
+        self._staging_lock = asyncio.Lock()
 
     def report(self) -> dict[str, Any]:
         unknown = {"capacity_bytes": None, "used_bytes": None, "entries": None, "capacity_entries": None}
@@ -117,16 +119,18 @@ class SharedTier:
         """The entries `hashes` (from count()) into `pages`, fresh uncommitted pool pages; returns how
         many, from the first, came in intact (0 if the read failed: counted). On a CPU pool each value
         is received straight into its page, once every job submitted before (their old owners' writes,
-        the spills of what they held) has run; elsewhere into a host buffer, then one engine copy."""
-        staging = None if self.codec.on_host else np.empty((len(pages), self.codec.page_nbytes), dtype=np.uint8)
-        into = [[row.data] for row in staging] if staging is not None else [self.codec.host_views(p) for p in pages]
-        loop = asyncio.get_running_loop()
+        the spills of what they held) has run; elsewhere into host rows, then one engine copy."""
         try:
-            if staging is None:
+            if self.codec.on_host:
                 await self.engine.submit(lambda: None)
-            got = await loop.run_in_executor(self._read, self.store.get_into, hashes, tokens, into)
-            if staging is not None and got:
-                await self.engine.submit(lambda: self.codec.scatter(pages[:got], torch.from_numpy(staging[:got])))
+                got = await self._get_into(hashes, tokens, [self.codec.host_views(p) for p in pages])
+            else:
+                async with self._staging_lock:  # (one restore at a time in the rows: read, then copied)
+                    staging = self._staging_rows(len(pages))
+                    got = await self._get_into(hashes, tokens, [[row.data] for row in staging])
+                    if got:
+                        rows = torch.from_numpy(staging[:got])
+                        await self.engine.submit(lambda: self.codec.scatter(pages[:got], rows))
         except Exception as exc:
             self.incident.failed(self.stats, exc)
             return 0
@@ -134,6 +138,17 @@ class SharedTier:
         self.stats.hits += got
         self.stats.bytes_in += got * self.codec.page_nbytes
         return got
+
+    async def _get_into(self, hashes: list[bytes], tokens: list[bytes], into: list[list[memoryview]]) -> int:
+        return await asyncio.get_running_loop().run_in_executor(self._read, self.store.get_into, hashes, tokens, into)
+
+    def _staging_rows(self, num: int) -> np.ndarray:
+        """Host rows [num, page_nbytes] for a pool off the host, kept for the next restore (grown as
+        needed; pinned on CUDA): first-touch faults of a fresh 64 MiB buffer would cost milliseconds."""
+        if self._staging is None or len(self._staging) < num:
+            pinned = self.codec.device.type == "cuda"
+            self._staging = torch.empty((num, self.codec.page_nbytes), dtype=torch.uint8, pin_memory=pinned).numpy()
+        return self._staging[:num]
 
     def stop(self) -> None:
         """No more writes (before the engine closes)."""

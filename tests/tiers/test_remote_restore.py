@@ -6,6 +6,7 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from service.config import Settings
@@ -89,12 +90,17 @@ def test_the_store_killed_between_count_and_read_commits_nothing(redis_server: R
     asyncio.run(scenario())
 
 
-def test_pages_come_back_whole_bit_for_bit_with_fp8_scales(redis_server: RedisServer) -> None:
-    """An FP8 page is two parts in the pool (K/V, scales): each value is received into both."""
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_pages_come_back_whole_bit_for_bit_with_fp8_scales(redis_server: RedisServer, path: str) -> None:
+    """An FP8 page is two parts in the pool (K/V, scales): each value is received into both, or (staged:
+    as on a CUDA pool) into host rows copied in by the engine."""
 
     async def scenario() -> None:
         state = make_state(redis_server, **FORMATS["fp8"])
         storage, seqs = state.storage, state.sequences
+        assert state.tiers is not None
+        if path == "staged":
+            state.tiers.codec._host_parts = None  # the pool's pages not addressable from the host
         try:
             tokens = prompt(1)
             g = torch.Generator().manual_seed(3)
