@@ -53,6 +53,7 @@ Chain = tuple[list[bytes], list[bytes]]  # page hashes, token bytes
 # reply buffers, the socket's) in the caches: 8 values of 256 KiB restored a 64 MiB prefix in ~29 ms
 # where 32 took ~40 (kvpool bench tiers, side by side on the 2-core machine, BENCHMARKS.md).
 READ_BATCH, READ_BATCH_BYTES = 32, 2 << 20
+IN_FLIGHT = 2  # batches sent ahead of the replies being read
 COUNT_BATCH = 32  # keys in the first pipelined EXISTS batch, twice as many in each next (a miss stays cheap)
 CHECKSUM = struct.Struct("<Q")  # xxhash's XXH3-64, at memory speed
 
@@ -193,7 +194,7 @@ class RemoteStore:
         sent = num = 0
         intact = True
         for k, start in enumerate(batches):
-            while intact and sent < min(k + 2, len(batches)):
+            while intact and sent < min(k + IN_FLIGHT, len(batches)):
                 keys = self._keys(hashes[batches[sent] : batches[sent] + batch])
                 reader.send_getex([key.encode() for key in keys], self.ttl_s)
                 sent += 1
