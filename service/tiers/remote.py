@@ -50,8 +50,9 @@ MAGIC = b"kvpool-remote-v2"  # v2: XXH3-64 instead of zlib's CRC-32 (6.8 GB/s he
 Chain = tuple[list[bytes], list[bytes]]  # page hashes, token bytes
 # Values per pipelined GETEX batch (two batches in flight; none sent after the first bad entry): about
 # READ_BATCH_BYTES of them, at most READ_BATCH. Small batches keep what the store has in flight (its
-# reply buffers, the socket's) in the caches: 8 values of 256 KiB restored a 64 MiB prefix in ~29 ms
-# where 32 took ~40 (kvpool bench tiers, side by side on the 2-core machine, BENCHMARKS.md).
+# reply buffers, the socket's) in the caches: with 8 values of 256 KiB a batch, redis-server spent
+# ~17 ms of CPU on a 64 MiB prefix where 32 cost it ~29, and the restore took 25-29 ms, not 33-37
+# (kvpool bench tiers, side by side on the quiet 2-core machine, BENCHMARKS.md).
 READ_BATCH, READ_BATCH_BYTES = 32, 2 << 20
 IN_FLIGHT = 2  # batches sent ahead of the replies being read
 COUNT_BATCH = 32  # keys in the first pipelined EXISTS batch, twice as many in each next (a miss stays cheap)
