@@ -11,7 +11,7 @@ one seed down. A cluster has only database 0.
 Writes: redis-py's RedisCluster (its pipelines send each node its SETs in one round trip), created
 at the first write so a cluster down at start-up only counts errors. Reads: ClusterReader routes each
 key to the primary that owns its slot (redis.crc.key_slot over the slot map from CLUSTER SLOTS) and
-pipelines one GETEX per key to each node (service.tiers.resp), so a batch of 32 keys is one write per
+pipelines one GETEX (or EXISTS) per key to each node (service.tiers.resp), so a batch of keys is one write per
 node and its replies are read in key order. No hash tags: a tag per tenant or geometry would put that
 tenant's whole cache on one node, a tag per prefix chain every prefix behind a shared system prompt on
 one node; without one the pages of a prefix spread over every node and their reads run in parallel.
@@ -22,15 +22,15 @@ fails closes every connection and the map is fetched again too.
 
 import collections
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
-from service.tiers.resp import REDIRECTED, TLS_OPTIONS, RespConnection, RespError, tls_context
+from service.tiers.resp import REDIRECTED, TLS_OPTIONS, Destination, RespConnection, RespError, tls_context
 
 SCHEMES = ("redis+cluster", "rediss+cluster")
 Address = tuple[str, int]
@@ -88,8 +88,8 @@ def cluster_client(url: str, timeout: float) -> RedisCluster:
 
 
 class ClusterReader:
-    """RespConnection's send_getex / read_value over a cluster: keys routed to the primary of their
-    slot, one connection per node, replies read back in the order the keys were sent."""
+    """RespConnection's send_keyed / send_getex / read_value / read_int over a cluster: keys routed to
+    the primary of their slot, one connection per node, replies read back in the order the keys were sent."""
 
     def __init__(self, url: str, timeout: float) -> None:
         self.seeds, self.username, self.password, tls = parse_cluster_url(url)
@@ -131,6 +131,9 @@ class ClusterReader:
         raise error
 
     def send_getex(self, keys: list[bytes], ttl_s: int) -> None:
+        self.send_keyed(b"GETEX", keys, b"EX", str(ttl_s).encode())
+
+    def send_keyed(self, command: bytes, keys: list[bytes], *tail: bytes) -> None:
         try:
             if self.slots is None:
                 self.refresh()
@@ -143,20 +146,26 @@ class ClusterReader:
                 groups.setdefault(owner, []).append(key)
                 self._order.append(owner)
             for owner, owned in groups.items():
-                self._node(owner).send_getex(owned, ttl_s)
+                self._node(owner).send_keyed(command, owned, *tail)
         except BaseException:
             self.close()
             raise
 
-    def read_value(self, row: np.ndarray) -> int:
+    def read_value(self, into: Destination) -> int:
+        return self._read(lambda conn: conn.read_value(into))
+
+    def read_int(self) -> int:
+        return self._read(RespConnection.read_int)
+
+    def _read(self, read: Callable[[RespConnection], int]) -> int:
         try:
-            size = self.nodes[self._order.popleft()].read_value(row)
+            reply = read(self.nodes[self._order.popleft()])
         except BaseException:
             self.close()
             raise
-        if size == REDIRECTED:
+        if reply == REDIRECTED:
             self.slots = None  # fetched again before the next send
-        return size
+        return reply
 
     def close(self) -> None:
         """Every connection closed, the replies still due forgotten, the slot map fetched again next time."""

@@ -11,9 +11,13 @@ The remote tier is written at commit, not at eviction: a prefix computed here is
 nodes at once.
 
 Restore (restore(), awaited by POST /v1/sequences before the core's create): match the device, then
-the local tier, then the remote store; take fresh device pages for what the tiers hold, copy it in,
-and only when every copy succeeded commit the pages into the prefix index; a failed read frees the
-fresh pages uncommitted (the hit is then the shorter one the device had). The device hits are held
+the local tier, then ask the remote store which of the pages after those it holds (EXISTS); take
+fresh device pages for what the tiers hold, copy it in (the remote's values are received straight
+into their pages and checked as they arrive), and only when the copies are in commit the pages into
+the prefix index, up to the first that did not come in intact; a failed read frees the fresh pages
+after the last good one uncommitted (the hit is then the shorter one: the device's, or the device's
+and the local tier's when the remote read fails). Evictions the allocation made stay made, as for any
+allocation (the evicted pages were spilled first, if a local tier is on). The device hits are held
 meanwhile, so nothing this call allocates can evict them; the create that follows, with no await in
 between, finds all the pages in the device's index and counts them in cached_tokens.
 """
@@ -21,7 +25,6 @@ between, finds all the pages in the device's index and counts them in cached_tok
 import asyncio
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +34,7 @@ import torch
 from service.core.plan import checked_token_bytes
 from service.tiers.local import DiskTier, HostTier, TierDataError
 from service.tiers.pages import PageCodec
-from service.tiers.remote import RemoteStore
+from service.tiers.remote import Chain, RemoteStore
 from service.tiers.shared import SharedTier
 
 if TYPE_CHECKING:
@@ -156,14 +159,6 @@ class Tiers:
         if self.remote is not None and not self._quiet:
             self.remote.queue(pages, hashes, token_bytes, self.token_nbytes)
 
-    def _write_pages(self, pages: list[tuple[int, np.ndarray]]) -> None:
-        # Each a read-only view into the value the store sent: one copy, into the pool. (torch warns
-        # that it cannot protect a read-only array from writes: it is only read here.)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            for page, data in pages:
-                self.codec.write_run(page, 1, torch.from_numpy(data).view(1, -1))
-
     # -- restore --------------------------------------------------------------------------------
     def num_restorable(self, token_ids: list[int], hits: list[int], last: bytes) -> int:
         """How many pages after the device's `hits` (the last one hashed `last`) a restore would bring
@@ -205,30 +200,25 @@ class Tiers:
         local = self.local.index.match(last, rest, size) if self.local else []
         if self.local is not None and not local:
             self.local.stats.misses += 1
-        remote = self.remote
         limit = max_hits - len(hits)
-        remote_data, buffers = await remote.lookup(last, rest, size, len(local), limit) if remote else ([], [])
-        try:
-            await self._restore_found(hits, last, rest, local, remote_data)
-        finally:  # the remote pages are copied in (or dropped): their receive buffers can be reused
-            if remote is not None:
-                remote.release(buffers)
+        remote = await self.remote.count(last, rest, size, len(local), limit) if self.remote else ([], [])
+        await self._restore_found(hits, last, rest, local, remote)
 
     async def _restore_found(
-        self, hits: list[int], last: bytes, rest: bytes, local: list[tuple[bytes, int]], remote_data: list[np.ndarray]
+        self, hits: list[int], last: bytes, rest: bytes, local: list[tuple[bytes, int]], remote: Chain
     ) -> None:
         size = self.token_nbytes
-        if not local and not remote_data:
+        if not local and not remote[0]:
             return
         if hits:
             self.allocator.acquire_cached(hits)
         try:
-            num = min(len(local) + len(remote_data), self.allocator.num_available)
+            num = min(len(local) + len(remote[0]), self.allocator.num_available)
             if num <= 0:
                 return
             fresh = self.allocator.allocate(num).tolist()
             try:
-                num = await self._copy_in(fresh, local, remote_data)
+                num = await self._copy_in(fresh, local, remote)
                 if num:  # all copies in: commit what came back, chained after the device hits
                     self._quiet = True
                     try:
@@ -241,9 +231,10 @@ class Tiers:
             if hits:
                 self.allocator.release(np.array(hits[::-1], dtype=np.int64))
 
-    async def _copy_in(self, fresh: list[int], local: list[tuple[bytes, int]], remote: list[np.ndarray]) -> int:
-        """Copy into `fresh` what the tiers hold, local entries first; returns how many pages came in
-        (0 on any failure). Local entries evicted meanwhile (by this very allocation) cut the run."""
+    async def _copy_in(self, fresh: list[int], local: list[tuple[bytes, int]], remote: Chain) -> int:
+        """Copy into `fresh` what the tiers hold, local entries first; returns how many pages came in,
+        from the first (0 on a local failure; the local ones on a remote failure). Local entries
+        evicted meanwhile (by this very allocation) cut the run."""
         tier, num = self.local, len(fresh)
         num_local = 0
         for page_hash, slot in local[:num]:
@@ -253,30 +244,26 @@ class Tiers:
             num_local += 1
         if num_local < len(local):
             num = num_local  # the chain broke: the remote pages after it cannot be used
-        try:
-            if num_local:
-                assert tier is not None
+        if num_local:
+            assert tier is not None
+            try:
                 slots, hashes = [s for _, s in local[:num_local]], [h for h, _ in local[:num_local]]
                 if isinstance(tier, HostTier):
                     await self.engine.submit(tier.read_job(slots, fresh[:num_local]))
                 else:
                     await self._read_disk(tier, slots, hashes, fresh[:num_local])
-                tier.stats.hits += num_local
-                tier.stats.bytes_in += num_local * self.codec.page_nbytes
-            if num > num_local and self.remote is not None:
-                got = list(zip(fresh[num_local:num], remote))
-                await self.engine.submit(lambda: self._write_pages(got))
-                self.remote.stats.hits += num - num_local
-                self.remote.stats.bytes_in += (num - num_local) * self.codec.page_nbytes
-        except Exception as exc:
-            if isinstance(exc, TierDataError) and tier is not None:
-                gone = [h for h, slot in local[:num_local] if tier.index.discard(h, slot)]  # never read again
-                if gone and self.events is not None:
-                    self.events.tier_removed(tier.medium, gone)
-            failed = tier if num_local and tier is not None else self.remote
-            if failed is not None:
-                failed.incident.failed(failed.stats, exc)
-            return 0
+            except Exception as exc:
+                if isinstance(exc, TierDataError):
+                    gone = [h for h, slot in local[:num_local] if tier.index.discard(h, slot)]  # never read again
+                    if gone and self.events is not None:
+                        self.events.tier_removed(tier.medium, gone)
+                tier.incident.failed(tier.stats, exc)
+                return 0
+            tier.stats.hits += num_local
+            tier.stats.bytes_in += num_local * self.codec.page_nbytes
+        if num > num_local and self.remote is not None:
+            hashes, tokens = remote[0][: num - num_local], remote[1][: num - num_local]
+            num = num_local + await self.remote.read_into(hashes, tokens, fresh[num_local:num])
         return num
 
     async def _read_disk(self, tier: DiskTier, slots: list[int], hashes: list[bytes], pages: list[int]) -> None:

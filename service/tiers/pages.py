@@ -39,6 +39,15 @@ class PageCodec:
         if self.device.type == "cpu":
             self._host_parts = [t.view(torch.uint8).view(t.shape[0], -1).numpy() for t in self._tensors()]
 
+    @property
+    def on_host(self) -> bool:
+        return self._host_parts is not None
+
+    def host_views(self, page: int) -> list[memoryview]:
+        """The bytes of `page` in place, its K/V then its scales (CPU pools): where a read lands directly."""
+        assert self._host_parts is not None
+        return [part[page].data for part in self._host_parts]
+
     def host_page(self, page: int) -> np.ndarray:
         """The bytes of `page` in place (uint8 [page_nbytes]): CPU pools without FP8 scales only."""
         assert self._host_parts is not None and len(self._host_parts) == 1

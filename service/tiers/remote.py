@@ -14,8 +14,14 @@ Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S), and every read that finds a
        a stale entry is never wrong, only useless, and the TTL lets unused geometries and tenants age out.
 
 Writes go through redis-py (a background batch, pipelined SETs; RedisCluster on a cluster). Reads (a
-lookup waits on them) pipeline GETEX over service.tiers.resp, which receives each value straight into
-its row of one array: one connection on redis://, rediss:// (TLS) and unix:// URLs, one per node on
+lookup waits on them) go in two steps: count() asks which pages the store holds (pipelined EXISTS),
+the restore allocates pool pages for those, and get_into() pipelines GETEX over service.tiers.resp,
+which receives each value's page bytes straight into its pool page (on a CPU pool; a host buffer
+otherwise), its header and checksum into small buffers beside, checked as it arrives; the pages are
+committed only once checked. Counting first is what lets the pages be allocated before the values
+come (receiving into them saves a copy of every byte, ~5 ms of a 64 MiB restore) without allocating,
+and evicting device pages for, what the store does not hold. One connection on redis://, rediss:// (TLS)
+and unix:// URLs, one per node on
 redis[s]+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss:// with
 TLS options the reader does not handle (resp.TLS_OPTIONS) reads through redis-py's pipelines instead
 (slower: its parser copies each value). Each command
@@ -41,10 +47,20 @@ from service.tiers.resp import REDIRECTED, RespConnection
 from service.tiers.stats import TierStats
 
 MAGIC = b"kvpool-remote-v2"  # v2: XXH3-64 instead of zlib's CRC-32 (6.8 GB/s here: a fifth of a restore)
-Page = np.ndarray
-READ_BATCH = 32  # keys per pipelined batch: a lookup stops at the first batch that comes back short
-FREE_BUFFER_BYTES = 96 << 20  # receive buffers kept for reuse (a 4,096-token prefix of an 8-layer model: 8 x 8.4 MB)
+Chain = tuple[list[bytes], list[bytes]]  # page hashes, token bytes
+# Values per pipelined GETEX batch (two batches in flight; none sent after the first bad entry): about
+# READ_BATCH_BYTES of them, at most READ_BATCH. Small batches keep what the store has in flight (its
+# reply buffers, the socket's) in the caches: with 8 values of 256 KiB a batch, redis-server spent
+# ~17 ms of CPU on a 64 MiB prefix where 32 cost it ~29, and the restore took 25-29 ms, not 33-37
+# (kvpool bench tiers, side by side on the quiet 2-core machine, BENCHMARKS.md).
+READ_BATCH, READ_BATCH_BYTES = 32, 2 << 20
+IN_FLIGHT = 2  # batches sent ahead of the replies being read
+COUNT_BATCH = 32  # keys in the first pipelined EXISTS batch, twice as many in each next (a miss stays cheap)
 CHECKSUM = struct.Struct("<Q")  # xxhash's XXH3-64, at memory speed
+
+
+def read_batch(page_nbytes: int) -> int:
+    return max(1, min(READ_BATCH, READ_BATCH_BYTES // page_nbytes))
 
 
 def geometry(s: Settings) -> str:
@@ -99,8 +115,6 @@ class RemoteStore:
             self.reader = ClusterReader(self.url, self.timeout)
         elif RespConnection.supports(self.url):
             self.reader = RespConnection.from_url(self.url, self.timeout)
-        self._free: list[np.ndarray] = []  # receive buffers for reuse (release())
-        self._lock = threading.Lock()  # the free buffers
         self._client_lock = threading.Lock()  # the client's creation (both threads use it)
         self.stats = TierStats()
 
@@ -121,15 +135,9 @@ class RemoteStore:
                     )
             return self._client
 
-    def get(
-        self, parent: bytes, data: bytes, page_nbytes: int, skip: int, limit: int
-    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """The pages of `data` (token bytes chained after the page hashed `parent`) from page `skip` on,
-        up to `limit` pages, as long as the store holds them intact, and the buffers they lie in (for
-        release() once copied). Pipelined GETEXs in batches of READ_BATCH keys, the next batch sent
-        before the replies to the current one are read (two in flight), stopping at the first batch that
-        comes back short; on the caller's thread, not the loop. Each read refreshes the TTL of what it
-        finds. Raises the client's errors (OSError, redis or RESP errors)."""
+    def chain(self, parent: bytes, data: bytes, page_nbytes: int, skip: int, limit: int) -> Chain:
+        """The page hashes and token bytes of `data` (token bytes chained after the page hashed
+        `parent`) from page `skip` on, up to page `limit`."""
         hashes: list[bytes] = []
         tokens: list[bytes] = []
         for i in range(min(limit, len(data) // page_nbytes)):
@@ -138,98 +146,108 @@ class RemoteStore:
             if i >= skip:
                 hashes.append(parent)
                 tokens.append(page)
-        batches = [(hashes[s : s + READ_BATCH], tokens[s : s + READ_BATCH]) for s in range(0, len(hashes), READ_BATCH)]
-        found: list[np.ndarray] = []
-        if self.reader is None or not batches:
-            for batch_hashes, batch_tokens in batches:
-                pipe = self.client().pipeline(transaction=False)
-                for key in self._keys(batch_hashes):
-                    pipe.getex(key, ex=self.ttl_s)
-                values: list[bytes | None] = pipe.execute()
-                got = self._check(values, batch_hashes, batch_tokens)
-                found += got
-                if len(got) < len(batch_hashes):
-                    break
-            return found, []
-        return self._get_pipelined(batches)
+        return hashes, tokens
 
-    def _get_pipelined(self, batches: list[tuple[list[bytes], list[bytes]]]) -> tuple[list[Page], list[Page]]:
+    def count(self, hashes: list[bytes]) -> int:
+        """How many of the pages `hashes`, from the first, the store holds (pipelined EXISTS in batches
+        of COUNT_BATCH keys, then twice that, ..., stopping at the first short one; nothing refreshed,
+        nothing checked: a restore allocates pages for these, then get_into reads them). Raises the
+        client's errors."""
+        num, start, size = 0, 0, COUNT_BATCH
+        while start < len(hashes):
+            keys = self._keys(hashes[start : start + size])
+            start, size = start + size, 2 * size
+            if self.reader is None:
+                pipe = self.client().pipeline(transaction=False)
+                for key in keys:
+                    pipe.exists(key)
+                replies: list[int] = pipe.execute()
+            else:
+                self.reader.send_keyed(b"EXISTS", [key.encode() for key in keys])
+                replies = [self.reader.read_int() for _ in keys]
+            self.stats.errors += REDIRECTED in replies  # the slot moved (a resharding or failover)
+            held = next((i for i, reply in enumerate(replies) if reply != 1), len(replies))
+            num += held
+            if held < len(replies):
+                break
+        return num
+
+    def get_into(self, hashes: list[bytes], tokens: list[bytes], pages: Sequence[Sequence[memoryview]]) -> int:
+        """The entries of `hashes` (token bytes `tokens`), each page's bytes received into `pages[i]`
+        (its parts in turn: a pool page's K/V then its scales), each checked as it arrives; returns how
+        many, from the first, are intact. What lies in the pages after those is garbage: never to be
+        used. Pipelined GETEXs in batches (read_batch()), the next batch sent before the replies to
+        the current one are read (two in flight), no batch sent after the first bad entry; on the
+        caller's thread, not the loop. Each read refreshes the TTL of what it finds. Raises the
+        client's errors (OSError, redis or RESP errors)."""
+        hashes = hashes[: len(pages)]
+        if not hashes:
+            return 0
+        if self.reader is None:
+            return self._get_into_redispy(hashes, tokens, pages)
         reader = self.reader
-        assert reader is not None
-        first = value_prefix(self.geometry, batches[0][0][0], batches[0][1][0])
-        value_nbytes = len(first) + self.page_nbytes + CHECKSUM.size
-        found: list[np.ndarray] = []
-        buffers: list[np.ndarray] = []
-        sent = 0
-        try:
-            for k, (batch_hashes, batch_tokens) in enumerate(batches):
-                while sent < min(k + 2, len(batches)):
-                    reader.send_getex([key.encode() for key in self._keys(batches[sent][0])], self.ttl_s)
-                    sent += 1
-                rows = self._buffer(value_nbytes)
-                buffers.append(rows)
-                intact, redirected = True, False
-                for i in range(len(batch_hashes)):
-                    n = reader.read_value(rows[i])
-                    redirected |= n == REDIRECTED  # the slot moved (a resharding or failover): not loaded
-                    if intact:  # checked as it arrives, while it is in the cache (after the batch, it was not)
-                        # (a value of the wrong size was not kept: b"" stands for it, which decode_value rejects)
-                        value = rows[i] if n == value_nbytes else (None if n < 0 else b"")
-                        got = self._check_one(value, batch_hashes[i], batch_tokens[i])
-                        intact = got is not None
-                        if got is not None:
-                            found.append(got)
-                self.stats.errors += redirected
-                if not intact:
-                    break
-            for pending in batches[k + 1 : sent]:  # the reply sent ahead and not needed: read it off
-                rows = self._buffer(value_nbytes)
-                buffers.append(rows)
-                for i in range(len(pending[0])):
-                    reader.read_value(rows[i])
-        except BaseException:
-            self.release(buffers)
-            raise
-        return found, buffers
+        header = bytearray(len(value_prefix(self.geometry, hashes[0], tokens[0])))
+        checksum = bytearray(CHECKSUM.size)
+        value_nbytes = len(header) + self.page_nbytes + len(checksum)
+        scratch = [memoryview(bytearray(value_nbytes))]  # values after a bad one: read off, not kept
+        batch = read_batch(self.page_nbytes)
+        batches = range(0, len(hashes), batch)
+        sent = num = 0
+        intact = True
+        for k, start in enumerate(batches):
+            while intact and sent < min(k + IN_FLIGHT, len(batches)):
+                keys = self._keys(hashes[batches[sent] : batches[sent] + batch])
+                reader.send_getex([key.encode() for key in keys], self.ttl_s)
+                sent += 1
+            if k >= sent:
+                break
+            redirected = False
+            for i in range(start, min(start + batch, len(hashes))):
+                parts = [memoryview(header), *pages[i], memoryview(checksum)] if intact else scratch
+                n = reader.read_value(parts)
+                redirected |= n == REDIRECTED
+                if intact:  # checked as it arrives, while it is in the cache
+                    intact = n == value_nbytes and self._intact(header, checksum, pages[i], hashes[i], tokens[i])
+                    if not intact and n >= 0:
+                        self.stats.rejected += 1  # (a wrong size was not kept: read into a scratch buffer)
+                    num += intact
+            self.stats.errors += redirected
+        return num
+
+    def _intact(
+        self, header: bytearray, checksum: bytearray, parts: Sequence[memoryview], page_hash: bytes, tokens: bytes
+    ) -> bool:
+        """Whether a value received as header || parts || checksum is the entry of `page_hash` intact."""
+        if header != value_prefix(self.geometry, page_hash, tokens):
+            return False
+        digest = xxhash.xxh3_64(header)
+        for part in parts:
+            digest.update(part)
+        return bool(CHECKSUM.unpack(checksum)[0] == digest.intdigest())
+
+    def _get_into_redispy(self, hashes: list[bytes], tokens: list[bytes], pages: Sequence[Sequence[memoryview]]) -> int:
+        """get_into through redis-py (a cluster or TLS options the reader does not handle): its values
+        are bytes, checked, then copied into the pages."""
+        num, batch = 0, read_batch(self.page_nbytes)
+        for start in range(0, len(hashes), batch):
+            pipe = self.client().pipeline(transaction=False)
+            for key in self._keys(hashes[start : start + batch]):
+                pipe.getex(key, ex=self.ttl_s)
+            values: list[bytes | None] = pipe.execute()
+            for i, value in enumerate(values, start):
+                data = decode_value(value, value_prefix(self.geometry, hashes[i], tokens[i]), self.page_nbytes)
+                if data is None:
+                    self.stats.rejected += value is not None
+                    return num
+                offset = 0
+                for part in pages[i]:
+                    part[:] = data.data[offset : offset + len(part)]
+                    offset += len(part)
+                num += 1
+        return num
 
     def _keys(self, hashes: list[bytes]) -> list[str]:
         return [page_key(self.geometry, h) for h in hashes]
-
-    def _check(
-        self, values: Sequence[bytes | np.ndarray | None], hashes: list[bytes], token_bytes: list[bytes]
-    ) -> list[np.ndarray]:
-        """The leading run of `values` that are the entries of `hashes` intact (counting a wrong one)."""
-        found: list[np.ndarray] = []
-        for value, page_hash, tokens in zip(values, hashes, token_bytes):
-            data = self._check_one(value, page_hash, tokens)
-            if data is None:
-                break
-            found.append(data)
-        return found
-
-    def _check_one(self, value: bytes | np.ndarray | None, page_hash: bytes, tokens: bytes) -> np.ndarray | None:
-        """The page bytes of `value` if it is the entry of `page_hash` intact, else None (a wrong one counted)."""
-        data = decode_value(value, value_prefix(self.geometry, page_hash, tokens), self.page_nbytes)
-        if data is None and value is not None:
-            self.stats.rejected += 1
-        return data
-
-    def _buffer(self, value_nbytes: int) -> np.ndarray:
-        """A receive buffer of READ_BATCH values: a released one if any (its pages already faulted in)."""
-        with self._lock:
-            while self._free:
-                rows = self._free.pop()
-                if rows.shape[1] == value_nbytes:
-                    return rows
-        return np.empty((READ_BATCH, value_nbytes), dtype=np.uint8)
-
-    def release(self, buffers: list[np.ndarray]) -> None:
-        """Buffers from get() whose pages are no longer needed (copied in, or dropped); kept for reuse up
-        to FREE_BUFFER_BYTES."""
-        with self._lock:
-            for rows in buffers:
-                if (len(self._free) + 1) * rows.nbytes <= FREE_BUFFER_BYTES:
-                    self._free.append(rows)
 
     def put(self, hashes: list[bytes], token_bytes: list[bytes], data: np.ndarray) -> int:
         """SET each page with the TTL, pipelined (one round trip); returns bytes sent."""

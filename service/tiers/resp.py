@@ -1,7 +1,8 @@
-"""The shared tier's read path: pipelined GETEX over a plain socket, each value received straight into
-its row of a preallocated array (recv_into), no copy in between. redis-py's Python parser copies every
-value 3-4 times through a BytesIO, which capped restores at a third of what the store can send
-(BENCHMARKS.md).
+"""The shared tier's read path: pipelined GETEX over a plain socket, each value received straight where
+it is to stay (recv_into: a row of an array, or the parts of a pool page with the value's header and
+checksum in small buffers beside), no copy in between. redis-py's Python parser copies every value 3-4
+times through a BytesIO, which capped restores at a third of what the store can send (BENCHMARKS.md).
+EXISTS (read_int) counts what a restore will read before it allocates pages for it.
 
 GETEX key EX ttl rather than MGET: it refreshes the entry's TTL in the same round trip (a hot prefix
 never ages out), it needs no two keys in one hash slot (Redis Cluster, service.tiers.cluster), and for
@@ -21,7 +22,7 @@ import inspect
 import socket
 import ssl
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 from redis.connection import SSLConnection, parse_url
@@ -29,6 +30,8 @@ from redis.connection import SSLConnection, parse_url
 LINE_BUF = 1 << 16
 RECV_BUF = 8 << 20
 MISSING, REDIRECTED = -1, -2  # sizes read_value returns besides a value's length
+# Where read_value puts a value: a contiguous uint8 row, or writable byte buffers filled in turn.
+Destination: TypeAlias = "np.ndarray | Sequence[memoryview]"
 
 
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
@@ -153,10 +156,13 @@ class RespConnection:
             self.close()
             raise
 
+    def send_keyed(self, command: bytes, keys: Sequence[bytes], *tail: bytes) -> None:
+        """`command key *tail` for each key, in one write (one reply each)."""
+        self.send([(command, key, *tail) for key in keys])
+
     def send_getex(self, keys: Sequence[bytes], ttl_s: int) -> None:
         """GETEX key EX ttl_s for each key (each reply read by read_value)."""
-        ex = str(ttl_s).encode()
-        self.send([(b"GETEX", key, b"EX", ex) for key in keys])
+        self.send_keyed(b"GETEX", keys, b"EX", str(ttl_s).encode())
 
     def _expect_ok(self, args: Sequence[bytes]) -> None:
         self.send([args])
@@ -205,9 +211,10 @@ class RespConnection:
         if self._line() != b"":
             raise RespError("a value did not end where its length said")
 
-    def read_value(self, row: np.ndarray) -> int:
-        """The next reply, a value: straight into `row` when its size is len(row). Returns its size, or
-        MISSING (no such key), or REDIRECTED (-MOVED/-ASK: the key's slot is on another node)."""
+    def read_value(self, into: Destination) -> int:
+        """The next reply, a value: straight into `into` when its size is what `into` holds (a row, or
+        buffers filled in turn). Returns its size, or MISSING (no such key), or REDIRECTED (-MOVED/-ASK:
+        the key's slot is on another node)."""
         try:
             line = self._line()
             if line[:1] != b"$":
@@ -217,14 +224,29 @@ class RespConnection:
             size = int(line[1:])
             if size < 0:
                 return MISSING
-            if size == len(row):
-                self._read_into(row.data)  # (a contiguous uint8 row)
+            parts = [into.data] if isinstance(into, np.ndarray) else into  # (a row: contiguous uint8)
+            if size == sum(len(part) for part in parts):
+                for part in parts:
+                    self._read_into(part)
             else:
                 scratch = memoryview(bytearray(min(size, LINE_BUF)))
                 for start in range(0, size, len(scratch)):
                     self._read_into(scratch[: min(len(scratch), size - start)])
             self._bulk_end()
             return size
+        except BaseException:
+            self.close()
+            raise
+
+    def read_int(self) -> int:
+        """The next reply, an integer (EXISTS), or REDIRECTED (-MOVED/-ASK)."""
+        try:
+            line = self._line()
+            if line[:1] == b":":
+                return int(line[1:])
+            if line.startswith((b"-MOVED ", b"-ASK ")):
+                return REDIRECTED
+            raise RespError(f"expected an integer: {line[:200]!r}")
         except BaseException:
             self.close()
             raise

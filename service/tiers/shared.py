@@ -4,8 +4,9 @@ Writes: the allocator's stored() queues newly committed pages here (bounded: a f
 counts). A task on the loop takes batches of about 8 MiB, keeps the pages still registered under
 the same hash (evicted ones are no longer those pages), gathers them through the engine (after the
 write that committed them, submitted first) and sends them from a thread (RemoteStore.put).
-Lookups run RemoteStore.get on another thread, so a slow store never blocks the loop; a failure is
-counted, logged once per incident, and the tier is skipped for a second (Incident).
+Lookups run RemoteStore.count, then RemoteStore.get_into, on another thread, so a slow store never
+blocks the loop; a failure is counted, logged once per incident, and the tier is skipped for a second
+(Incident).
 """
 
 import asyncio
@@ -17,11 +18,12 @@ import logging
 from typing import Any
 
 import numpy as np
+import torch
 
 from service.core.allocator import PageAllocator
 from service.engine.engine import Engine
 from service.tiers.pages import PageCodec
-from service.tiers.remote import RemoteStore
+from service.tiers.remote import Chain, RemoteStore
 from service.tiers.stats import Incident
 
 log = logging.getLogger("kvpool.tiers")
@@ -42,6 +44,8 @@ class SharedTier:
         self._writer: asyncio.Task[None] | None = None
         self._read = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-remote-read")
         self._write = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-remote-write")
+        self._staging: np.ndarray | None = None  # read_into's host rows on a pool off the host
+        self._staging_lock = asyncio.Lock()
 
     def report(self) -> dict[str, Any]:
         unknown = {"capacity_bytes": None, "used_bytes": None, "entries": None, "capacity_entries": None}
@@ -89,27 +93,62 @@ class SharedTier:
         return self.codec.gather(pages).numpy()
 
     # -- lookups ----------------------------------------------------------------------------------
-    async def lookup(
-        self, last: bytes, rest: bytes, page_nbytes: int, skip: int, limit: int
-    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """The pages of `rest` (token bytes after the page hashed `last`) from page `skip` on that the
-        store holds intact, in order, up to `limit` pages in all ([] if the tier is failing), and the
-        buffers they lie in: give those to release() once the pages are copied (or dropped)."""
+    async def count(self, last: bytes, rest: bytes, page_nbytes: int, skip: int, limit: int) -> Chain:
+        """The hashes and token bytes of the pages of `rest` (token bytes after the page hashed `last`)
+        from page `skip` on that the store holds, in order, up to `limit` pages in all ([] if the tier
+        is failing): what a restore allocates pages for and then reads (read_into)."""
         if skip >= limit or not self.incident.usable():
             return [], []
-        get = functools.partial(self.store.get, last, rest, page_nbytes, skip, limit)
+
+        def count() -> Chain:
+            hashes, tokens = self.store.chain(last, rest, page_nbytes, skip, limit)
+            num = self.store.count(hashes)
+            return hashes[:num], tokens[:num]
+
         try:
-            found, buffers = await asyncio.get_running_loop().run_in_executor(self._read, get)
+            hashes, tokens = await asyncio.get_running_loop().run_in_executor(self._read, count)
         except Exception as exc:
             self.incident.failed(self.stats, exc)
             return [], []
         self.incident.succeeded()
-        if not found:
+        if not hashes:
             self.stats.misses += 1
-        return found, buffers
+        return hashes, tokens
 
-    def release(self, buffers: list[np.ndarray]) -> None:
-        self.store.release(buffers)
+    async def read_into(self, hashes: list[bytes], tokens: list[bytes], pages: list[int]) -> int:
+        """The entries `hashes` (from count()) into `pages`, fresh uncommitted pool pages; returns how
+        many, from the first, came in intact (0 if the read failed: counted). On a CPU pool each value
+        is received straight into its page, once every job submitted before (their old owners' writes,
+        the spills of what they held) has run; elsewhere into host rows, then one engine copy."""
+        try:
+            if self.codec.on_host:
+                await self.engine.submit(lambda: None)
+                got = await self._get_into(hashes, tokens, [self.codec.host_views(p) for p in pages])
+            else:
+                async with self._staging_lock:  # (one restore at a time in the rows: read, then copied)
+                    staging = self._staging_rows(len(pages))
+                    got = await self._get_into(hashes, tokens, [[row.data] for row in staging])
+                    if got:
+                        rows = torch.from_numpy(staging[:got])
+                        await self.engine.submit(lambda: self.codec.scatter(pages[:got], rows))
+        except Exception as exc:
+            self.incident.failed(self.stats, exc)
+            return 0
+        self.incident.succeeded()
+        self.stats.hits += got
+        self.stats.bytes_in += got * self.codec.page_nbytes
+        return got
+
+    async def _get_into(self, hashes: list[bytes], tokens: list[bytes], into: list[list[memoryview]]) -> int:
+        return await asyncio.get_running_loop().run_in_executor(self._read, self.store.get_into, hashes, tokens, into)
+
+    def _staging_rows(self, num: int) -> np.ndarray:
+        """Host rows [num, page_nbytes] for a pool off the host, kept for the next restore (grown as
+        needed; pinned on CUDA): first-touch faults of a fresh 64 MiB buffer would cost milliseconds."""
+        if self._staging is None or len(self._staging) < num:
+            pinned = self.codec.device.type == "cuda"
+            self._staging = torch.empty((num, self.codec.page_nbytes), dtype=torch.uint8, pin_memory=pinned).numpy()
+        return self._staging[:num]
 
     def stop(self) -> None:
         """No more writes (before the engine closes)."""

@@ -36,6 +36,31 @@ def test_values_into_rows_and_two_replies_in_flight(redis_server: RedisServer) -
         reader.close()
 
 
+def test_a_value_into_parts_in_turn_and_exists_as_integers(redis_server: RedisServer) -> None:
+    """read_value fills several buffers in turn (a header, a pool page's parts, a checksum) when the
+    value's size is theirs together, and none of them otherwise; read_int reads EXISTS replies."""
+    value = os.urandom(70_000)
+    redis_server.client().mset({"v": value, "short": b"x" * 10})
+    reader = RespConnection.from_url(redis_server.url, 2.0)
+    try:
+        reader.send_keyed(b"EXISTS", [b"v", b"missing", b"short"])
+        assert [reader.read_int() for _ in range(3)] == [1, 0, 1]
+        head, body, tail = bytearray(16), np.zeros(69_976, dtype=np.uint8), bytearray(8)
+        parts = [memoryview(head), body.data, memoryview(tail)]
+        reader.send_getex([b"v", b"short", b"missing"], 100)
+        assert reader.read_value(parts) == 70_000
+        assert bytes(head) + body.tobytes() + bytes(tail) == value
+        fresh = [memoryview(bytearray(16)), memoryview(bytearray(69_976)), memoryview(bytearray(8))]
+        assert reader.read_value(fresh) == 10 and not any(any(p) for p in fresh)  # wrong size: not kept
+        assert reader.read_value(fresh) == MISSING
+        reader.send_getex([b"v"], 100)
+        with pytest.raises(Exception, match="integer"):
+            reader.read_int()  # a value where an integer was due: the stream is closed
+        assert reader.sock is None
+    finally:
+        reader.close()
+
+
 def test_password_and_database_from_the_url(redis_server: RedisServer) -> None:
     client = redis_server.client()
     client.execute_command("SELECT", 3)

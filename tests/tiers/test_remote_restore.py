@@ -1,0 +1,131 @@
+"""In process, against a real redis-server: a remote restore receives each value straight into its
+fresh pool page (its K/V, then its FP8 scales) and commits only the leading run that came in intact;
+the store killed between the count and the read commits nothing from it and leaks no page."""
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from service.config import Settings
+from service.core.hashing import root_hash, token_bytes
+from service.core.tier_index import chain_hashes
+from service.server.state import PoolState
+from service.tiers.remote import encode_value, page_key, value_prefix
+from tests.tiers.conftest import RedisServer
+from tests.tiers.helpers import kv_of, prompt
+from tests.tiers.test_ordering import FORMATS, SMALL, write_prompt
+
+
+def make_state(redis_server: RedisServer, **extra: Any) -> PoolState:
+    return PoolState(Settings(**{**SMALL, **extra}, remote_url=redis_server.url, remote_timeout_s=2.0))
+
+
+async def written_then_evicted(state: PoolState, redis_server: RedisServer, write: Any = None) -> None:
+    """Prompt 1's four pages committed, in the store, then out of the device (every page free)."""
+    await (write or write_prompt(state, "a", 1))
+    deadline = time.monotonic() + 20
+    while redis_server.client().dbsize() < 4:
+        assert time.monotonic() < deadline, "the remote writer did not write the prompt's pages"
+        await asyncio.sleep(0.02)
+    seqs = state.sequences
+    seqs.create("fill")
+    seqs.append("fill", state.allocator.num_available * SMALL["page_size"])  # no token ids: nothing cached
+    seqs.free("fill")
+    assert (state.allocator.num_cached, state.allocator.num_free) == (0, 8)
+
+
+def test_a_poisoned_page_cuts_the_restore_there(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        state = make_state(redis_server)
+        try:
+            await written_then_evicted(state, redis_server)
+            geometry = state.tiers.remote.store.geometry  # type: ignore[union-attr]
+            hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
+            wrong = encode_value(value_prefix(geometry, hashes[2], token_bytes(prompt(2)[8:12])), bytes(1024))
+            redis_server.client().set(page_key(geometry, hashes[2]), wrong)  # page 2: another prompt's tokens
+            assert state.tiers is not None
+            await state.tiers.restore([*prompt(1), 7], "", "")
+            a, stats = state.allocator, state.tiers.remote.stats  # type: ignore[union-attr]
+            assert (a.num_used, a.num_cached, a.num_free) == (0, 2, 6)  # pages 0 and 1; the rest went back free
+            assert stats.hits == 2 and stats.rejected == 1 and stats.errors == 0
+            seq = state.sequences.create("a2", [*prompt(1), 7])
+            assert seq.cached_tokens == 8
+            k, v = kv_of(1, 16)
+            got = state.storage.blocks[torch.tensor(state.sequences.block_table(seq))]  # [2, 2, L, P, H, D]
+            assert torch.equal(got[:, 0], k[:, :8].reshape(2, 2, 4, 2, 16).transpose(0, 1))
+            assert torch.equal(got[:, 1], v[:, :8].reshape(2, 2, 4, 2, 16).transpose(0, 1))
+        finally:
+            state.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_store_killed_between_count_and_read_commits_nothing(redis_server: RedisServer) -> None:
+    async def scenario() -> None:
+        state = make_state(redis_server)
+        try:
+            await written_then_evicted(state, redis_server)
+            assert state.tiers is not None and state.tiers.remote is not None
+            store = state.tiers.remote.store
+            read = store.get_into
+
+            def killed_first(*args: Any) -> int:  # the store dies after answering EXISTS
+                redis_server.stop()
+                return read(*args)
+
+            store.get_into = killed_first  # type: ignore[method-assign,assignment]
+            await state.tiers.restore([*prompt(1), 7], "", "")
+            a = state.allocator
+            assert (a.num_used, a.num_cached, a.num_free) == (0, 0, 8)  # as it was
+            assert all(a.page_name(p) is None for p in range(8))
+            assert store.stats.errors == 1 and store.stats.hits == 0
+            assert state.tiers.remote.incident.down
+            assert state.sequences.create("a2", [*prompt(1), 7]).cached_tokens == 0
+        finally:
+            state.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_pages_come_back_whole_bit_for_bit_with_fp8_scales(redis_server: RedisServer, path: str) -> None:
+    """An FP8 page is two parts in the pool (K/V, scales): each value is received into both, or (staged:
+    as on a CUDA pool) into host rows copied in by the engine."""
+
+    async def scenario() -> None:
+        state = make_state(redis_server, **FORMATS["fp8"])
+        storage, seqs = state.storage, state.sequences
+        assert state.tiers is not None
+        if path == "staged":
+            state.tiers.codec._host_parts = None  # the pool's pages not addressable from the host
+        try:
+            tokens = prompt(1)
+            g = torch.Generator().manual_seed(3)
+            k, v = torch.randn(2, 16, 2, 16, generator=g), torch.randn(2, 16, 2, 16, generator=g)
+
+            async def write() -> None:
+                seqs.create("a", [*tokens, 7])
+                seq, ext = seqs.append("a", 16, tokens, data_written=True)
+                await state.engine.submit(lambda: state.engine.write(k, v, torch.from_numpy(ext.slots)))
+                old = torch.tensor(seqs.block_table(seq))
+                before.extend([storage.blocks[old].clone(), storage.scales[old].clone()])  # type: ignore[index]
+                seqs.free("a")
+
+            before: list[torch.Tensor] = []
+            await written_then_evicted(state, redis_server, write())
+            storage.blocks.zero_()
+            storage.scales.zero_()  # type: ignore[union-attr]
+            assert state.tiers is not None
+            await state.tiers.restore([*tokens, 7], "", "")
+            seq = seqs.create("a2", [*tokens, 7])
+            assert seq.cached_tokens == 16
+            new = torch.tensor(seqs.block_table(seq))
+            assert torch.equal(storage.blocks[new].view(torch.uint8), before[0].view(torch.uint8))
+            assert torch.equal(storage.scales[new], before[1]) and before[1].abs().sum() > 0  # type: ignore[index]
+        finally:
+            state.close()
+
+    asyncio.run(scenario())
