@@ -155,18 +155,18 @@ def test_a_cluster_down_at_start_up_costs_nothing_but_errors(start_server: Any) 
 
 def test_a_key_migrating_away_is_not_loaded_counted_and_found_once_moved(redis_cluster: RedisClusterServers) -> None:
     """A slot in the middle of a resharding: its key already moved to the importing node, the old
-    owner answers -ASK. The page is not loaded (the reader does not follow ASK: the entry is in
-    flight), an error is counted and the slot map fetched again; once the slot is handed over, the
-    next lookup goes to the new owner and finds the page."""
-    store = RemoteStore(Settings(remote_url=redis_cluster.url), 64)
+    owner answers -ASK, to EXISTS (counting) and to GETEX (reading). The page is not counted or
+    loaded (the reader does not follow ASK: the entry is in flight), an error is counted and the
+    slot map fetched again; once the slot is handed over, the next call goes to the new owner."""
+    counter = RemoteStore(Settings(remote_url=redis_cluster.url), 64)
+    reader = RemoteStore(Settings(remote_url=redis_cluster.url), 64)
     try:
         tokens = token_bytes(prompt(6, num_pages=2))
-        per_page = len(tokens) // 2
-        hashes = chain_hashes(root_hash(""), tokens, per_page)
+        hashes, toks = counter.chain(root_hash(""), tokens, len(tokens) // 2, 0, 2)
         pages = np.arange(128, dtype=np.uint8).reshape(2, 64) ^ 0x5A
-        store.put(hashes, [tokens[:per_page], tokens[per_page:]], pages)
-        assert len(store.get(root_hash(""), tokens, per_page, 0, 2)[0]) == 2  # the slot map fetched
-        key = page_key(store.geometry, hashes[1])
+        counter.put(hashes, toks, pages)
+        assert counter.count(hashes) == 2 and len(read_pages(reader, hashes, toks, 64)) == 2  # maps fetched
+        key = page_key(counter.geometry, hashes[1])
         slot = redis.crc.key_slot(key.encode())
         owner = redis_cluster.cluster().get_node_from_key(key).port
         target = next(p for p in redis_cluster.ports if p != owner)
@@ -177,14 +177,13 @@ def test_a_key_migrating_away_is_not_loaded_counted_and_found_once_moved(redis_c
         source.execute_command("MIGRATE", "127.0.0.1", target, key, 0, 5000)
         asking = dest.pipeline(transaction=False)  # (the importing node serves the key only after ASKING)
         assert asking.execute_command("ASKING").exists(key).execute() == [True, 1]
-        found, buffers = store.get(root_hash(""), tokens, per_page, 0, 2)
-        assert len(found) == 1 and store.stats.errors == 1  # page 1 -ASK: not loaded, counted
-        assert found[0].tobytes() == pages[0].tobytes()
-        store.release(buffers)
+        assert counter.count(hashes) == 1 and counter.stats.errors == 1  # EXISTS -ASK
+        assert read_pages(reader, hashes, toks, 64) == [pages[0].tobytes()] and reader.stats.errors == 1  # GETEX -ASK
         for port in redis_cluster.ports:  # the migration finished: every node names the target
             redis_cluster.client(port).execute_command("CLUSTER SETSLOT", slot, "NODE", target_id)
-        found, _ = store.get(root_hash(""), tokens, per_page, 0, 2)  # on the map fetched after the -ASK
-        assert len(found) == 2 and found[1].tobytes() == pages[1].tobytes()
-        assert store.stats.errors == 1 and store.stats.rejected == 0
+        assert counter.count(hashes) == 2  # on the maps fetched after the -ASK
+        assert read_pages(reader, hashes, toks, 64) == [pages[0].tobytes(), pages[1].tobytes()]
+        assert counter.stats.errors == reader.stats.errors == 1 and reader.stats.rejected == 0
     finally:
-        store.close()
+        counter.close()
+        reader.close()
