@@ -206,8 +206,9 @@ class KVCopier:
     as vllm_layout.check_layout found it), writers[layer] its attention backend's cache writer (the torch path's
     loads store with it).
 
-    On a GPU, load() and save() return once their copies are done on the device (they synchronize it): a load
-    before vLLM's forward reads the blocks, a save before kvpool commits the pages or vLLM reuses the blocks.
+    On a GPU, load() and save() return once their copies are done on the device: a load before vLLM's forward
+    reads the blocks (and it starts once vLLM's earlier work is done), a save before kvpool commits the pages or
+    vLLM reuses the blocks.
     """
 
     def __init__(
@@ -245,10 +246,11 @@ class KVCopier:
             return
         plan = load_plan(pages, pool.shape[3], block_ids, self.block_size, start, end)
         plan = on_devices(plan, pool.device, self.device)
-        self._synchronize(pool)  # vLLM's queued work on these blocks (a freed request's last reads) is done
+        # vLLM's queued work on these blocks (its zeroing of new blocks, a freed request's last reads) is done.
+        self._wait(pool, vllms_work=True)
         for layer, write in self.writers.items():
             load_layer(write, pool[:, :, layer], plan, self._load_bufs)
-        self._synchronize(pool)  # the blocks are written before vLLM's forward, on its own stream, reads them
+        self._wait(pool)  # the blocks are written before vLLM's forward, on its own stream, reads them
 
     def save(self, pool: torch.Tensor, block_ids: list[int], pages: list[int], start: int, end: int) -> None:
         """Tokens [start, end) from vLLM's blocks into the pool's pages."""
@@ -263,13 +265,17 @@ class KVCopier:
         # The pages hold the K/V before kvpool commits them (other processes read the pool) and before vLLM,
         # told the save is done, reuses the blocks. (That the forward has written the blocks before this save
         # reads them is the caller's: the connector waits for an event recorded after the forward.)
-        self._synchronize(pool)
+        self._wait(pool)
 
-    def _synchronize(self, pool: torch.Tensor) -> None:
-        """Wait for the GPU(s) the caches and the pool are on (the connector's thread's copies, and vLLM's)."""
+    def _wait(self, pool: torch.Tensor, vllms_work: bool = False) -> None:
+        """On the GPU(s) of the caches and the pool, wait for this thread's copies (its current stream), or for
+        all work (vLLM's streams too; not at the end of a save: vLLM's next forward may be queued by then)."""
         for device in {self.device, pool.device}:
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                if vllms_work:
+                    torch.cuda.synchronize(device)
+                else:
+                    torch.cuda.current_stream(device).synchronize()
 
     def _copy_native(
         self, pool: torch.Tensor, block_ids: list[int], pages: list[int], start: int, end: int, to_pool: bool
