@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from service.integrations.vllm_copy import KVCopier
-from service.integrations.vllm_layout import Layout, check_layout, kv_views
+from service.integrations.vllm_layout import Layout, check_layout, kv_views, scratch_like
 
 pytest.importorskip("vllm")
 
@@ -84,6 +84,9 @@ def test_the_probe_picks_each_backends_layout(dtype: torch.dtype) -> None:
     assert check_layout(cpu_layer(dtype, block, d, heads), cpu_cache) is Layout.CPU_VEC
     for layout in LAYOUTS:
         cache = vllm_caches(layout, 2, 4, heads, block, d, dtype=dtype)[1]
+        scratch = scratch_like(cache, 2)  # the probe's: the real cache's dims in the same physical order
+        assert scratch.shape == (2, heads, block, 2 * d) and not scratch.any()
+        assert sorted(range(4), key=scratch.stride) == sorted(range(4), key=cache.stride), layout
         assert check_layout(SimpleNamespace(impl=GPUBackend()), cache) is Layout.TOKEN_KV, layout
         with pytest.raises(ValueError, match="does not know the KV block layout of SwappedBackend"):
             check_layout(SimpleNamespace(impl=SwappedBackend()), cache)
