@@ -27,7 +27,10 @@ pool.
 vLLM's block size and kvpool's page size are independent: vllm_copy moves runs of gcd(page, block)
 tokens, every layer in one compiled pass (torch ops where it is not built). A request's `cache_salt`
 salts kvpool's prefix hashes, so different salts never share pages. One worker (no tensor or
-pipeline parallelism) and vLLM's CPU attention layout are supported; others are refused at start.
+pipeline parallelism), and the block layouts of vLLM's CPU attention and of its GPU backends (flash_attn,
+triton_attn, flashinfer: vllm_layout), are supported; others are refused at start. On a GPU the K/V moves
+through torch ops (on the connector's thread, which waits for the device where the CPU path waits for its
+copies), and a CUDA pool (kvpool serving on the GPU) is mapped by CUDA IPC.
 """
 
 import atexit
@@ -53,7 +56,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_copy import KVCopier, Writer
-from service.integrations.vllm_layout import check_layout
+from service.integrations.vllm_layout import Layout, check_layout
 from service.integrations.vllm_metadata import Job, KVPoolMetadata, LoadJob, Pin, SaveJob, model_geometry
 from service.integrations.vllm_thread import WorkerThread
 
@@ -225,9 +228,15 @@ class KVPoolConnector(KVConnectorBase_V1):
     # ==== worker side =============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context
+        layouts: set[Layout] = set()
         for name, cache in kv_caches.items():
             layer = layers[name]
-            check_layout(layer, cache)
+            layouts.add(check_layout(layer, cache))
+            if cache.dim() == 4 and cache.shape[2] != self._block_size:  # kernel blocks smaller than vLLM's
+                raise ValueError(
+                    f"KVPoolConnector: layer {name} stores blocks of {cache.shape[2]} tokens, vLLM's block size "
+                    f"is {self._block_size}: set --block-size to the attention backend's block size"
+                )
             index = extract_layer_index(name)
             self._layers[index] = cache
             self._writers[index] = partial(_write_layer, layer, cache)
@@ -236,7 +245,9 @@ class KVPoolConnector(KVConnectorBase_V1):
                 f"KVPoolConnector: expected layers 0..{self._link.model.num_layers - 1}, "
                 f"vLLM registered {sorted(self._layers)}"
             )
-        self._copier = KVCopier(self._layers, self._writers, self._block_size)
+        if len(layouts) != 1:
+            raise ValueError(f"KVPoolConnector: the layers' KV block layouts differ: {sorted(x.name for x in layouts)}")
+        self._copier = KVCopier(self._layers, self._writers, self._block_size, layout=layouts.pop())
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -287,6 +298,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolMetadata)
         failed = self._failed_reqs  # this step's failed loads (the loads ran before the forward)
+        # On a GPU the forward is only queued on vLLM's stream when this runs: the saves, on the connector's
+        # thread, wait for this event before they read the blocks.
+        forward_done = None
+        if meta.saves and self._copier is not None and self._copier.device.type == "cuda":
+            forward_done = torch.cuda.Event()
+            forward_done.record(torch.cuda.current_stream(self._copier.device))
         for job in meta.saves:
             with self._lock:
                 self._save_reqs.add(job.req_id)
@@ -299,15 +316,17 @@ class KVPoolConnector(KVConnectorBase_V1):
                 if job.pin_id is not None:
                     self._thread.submit(partial(self._free, job.pin_id))
                 continue
-            if self._thread.submit(partial(self._run_save, job)):
+            if self._thread.submit(partial(self._run_save, job, forward_done)):
                 self._waits["save_queue_full"] += 1
 
     def _free(self, seq_id: str) -> None:
         self._link.free(seq_id)
 
-    def _run_save(self, job: SaveJob) -> None:
+    def _run_save(self, job: SaveJob, forward_done: "torch.cuda.Event | None" = None) -> None:
         began = time.perf_counter_ns()
         try:
+            if forward_done is not None:
+                forward_done.synchronize()  # the forward that computed these blocks has written them
             if self._link.usable():
                 self._guarded(self._save, job)
             elif job.pin_id is not None:

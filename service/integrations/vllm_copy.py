@@ -1,4 +1,4 @@
-"""K/V copies between vLLM's CPU KV blocks and kvpool's mapped pool, whole pages and blocks at a time.
+"""K/V copies between vLLM's KV blocks and kvpool's mapped pool, whole pages and blocks at a time.
 
 `KVCopier` does both directions for a worker: with the compiled copy (_vllm_copy.c, built by setup.py)
 two passes (the V, then the K) over every layer per call, runs of g = gcd(page_size, block_size) tokens,
@@ -11,7 +11,10 @@ and a narrow one (SSE2 and scalar) for everything else; `widest` caps the build 
 
 kvpool's pool is page-major, [num_pages + 1, 2, num_layers, page_size, kv_heads, head_dim]: one layer's K
 (or V) of a page is a contiguous [page_size, H, D], token-major. One layer's vLLM CPU block is
-[H, block_size, 2 * head_dim]: K stored transposed ([head_dim, block_size] per head), V as is (vllm_layout).
+[H, block_size, 2 * head_dim]: K stored transposed ([head_dim, block_size] per head), V as is; a GPU
+backend's is [H, block_size, 2 * head_dim] with K then V per token, in vLLM's stride order (vllm_layout).
+The compiled copy knows the CPU layout only: every other layout, and caches or a pool on a GPU, take the
+torch path (which reads through vllm_layout.kv_views, and loads through the backend's own writer).
 
 - Load (pool -> vLLM), per layer: one index_select gathers the pages holding the tokens into a reused
   buffer (each page a contiguous run), which is then token-major [tokens, H, D]; the attention backend's
@@ -36,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.integrations.vllm_layout import kv_views
+from service.integrations.vllm_layout import Layout, kv_views
 
 
 def _native() -> ModuleType | None:
@@ -87,6 +90,11 @@ def load_plan(
     return LoadPlan(torch.tensor(pages[first:last], dtype=torch.int64), start - first * page_size, end - start, slots)
 
 
+def on_devices(plan: LoadPlan, pool: torch.device, cache: torch.device) -> LoadPlan:
+    """The plan's indices where they are used: page ids with the pool, slots with the cache (once per request)."""
+    return LoadPlan(plan.pages.to(pool), plan.offset, plan.count, plan.slots.to(cache))
+
+
 def load_layer(write: Writer, pool_layer: torch.Tensor, plan: LoadPlan, bufs: Buffers) -> None:
     """Copy the plan's tokens of one layer from the pool (pool.blocks[:, :, layer], [P + 1, 2, page, H, D])."""
     page_size, heads, head_dim = pool_layer.shape[2:]
@@ -95,7 +103,9 @@ def load_layer(write: Writer, pool_layer: torch.Tensor, plan: LoadPlan, bufs: Bu
         buf = bufs.get(name, (len(plan.pages), page_size, heads, head_dim), pool_layer)
         torch.index_select(pool_layer[:, i], 0, plan.pages, out=buf)
         kv.append(buf.view(-1, heads, head_dim)[plan.offset : plan.offset + plan.count])
-    write(kv[0], kv[1], plan.slots)
+    # A pool on another device than the cache (a CPU kvpool beside vLLM on a GPU): the writer takes K/V there.
+    device = plan.slots.device
+    write(kv[0].to(device), kv[1].to(device), plan.slots)
 
 
 @dataclass
@@ -112,6 +122,7 @@ class SaveRun:
 @dataclass
 class SavePlan:
     blocks: list[int]  # the blocks holding the tokens, in token order
+    block_index: torch.Tensor  # the same, as the gather's index (on the cache's device)
     first_block: int | None  # blocks[0] when the ids are consecutive (then sliced, not gathered)
     g: int
     runs: list[SaveRun]
@@ -137,24 +148,36 @@ def save_plan(
         if hi > lo:
             tokens = offset + torch.arange(lo, hi) * block_size
             runs.append(SaveRun(j, lo, hi, pages_t[tokens // page_size], tokens % page_size // g))
-    return SavePlan(blocks, blocks[0] if consecutive and blocks else None, g, runs)
+    first_block = blocks[0] if consecutive and blocks else None
+    return SavePlan(blocks, torch.tensor(blocks, dtype=torch.int64), first_block, g, runs)
 
 
-def save_layer(cache: torch.Tensor, pool_layer: torch.Tensor, plan: SavePlan, bufs: Buffers) -> None:
-    """Copy the plan's tokens of one layer from vLLM's `cache` [blocks, H, block, 2D] into the pool."""
+def save_on_devices(plan: SavePlan, pool: torch.device, cache: torch.device) -> SavePlan:
+    """The plan's indices where they are used: block ids with the cache, pages and runs with the pool."""
+    runs = [SaveRun(r.j, r.lo, r.hi, r.pages.to(pool), r.runs.to(pool)) for r in plan.runs]
+    return SavePlan(plan.blocks, plan.block_index.to(cache), plan.first_block, plan.g, runs)
+
+
+def save_layer(
+    cache: torch.Tensor, pool_layer: torch.Tensor, plan: SavePlan, bufs: Buffers, layout: Layout = Layout.CPU_VEC
+) -> None:
+    """Copy the plan's tokens of one layer from vLLM's `cache` [blocks, H, block, 2D] (in `layout`) into the
+    pool."""
     if not plan.blocks:
         return
     if plan.first_block is not None:
         src = cache[plan.first_block : plan.first_block + len(plan.blocks)]
     else:
+        # Gathered contiguous in the logical order: still the same layout (CPU_VEC caches are contiguous).
         src = bufs.get("save_blocks", (len(plan.blocks), *cache.shape[1:]), cache)
-        torch.index_select(cache, 0, torch.tensor(plan.blocks, dtype=torch.int64), out=src)
+        torch.index_select(cache, 0, plan.block_index, out=src)
     block_size, page_size, g = cache.shape[2], pool_layer.shape[2], plan.g
     dst = pool_layer.unflatten(2, (page_size // g, g))  # [P + 1, 2, runs per page, g, H, D]
-    for i, view in enumerate(kv_views(src)):  # [n, H, block, D]
+    for i, view in enumerate(kv_views(src, layout)):  # [n, H, block, D]
         runs = view.unflatten(2, (block_size // g, g))  # [n, H, runs per block, g, D]
         for run in plan.runs:
-            dst[:, i].index_put_((run.pages, run.runs), runs[run.lo : run.hi, :, run.j].transpose(1, 2))
+            values = runs[run.lo : run.hi, :, run.j].transpose(1, 2)  # [hi - lo, g, H, D]
+            dst[:, i].index_put_((run.pages, run.runs), values.to(pool_layer.device))
 
 
 def run_table(block_ids: list[int], block_size: int, pages: list[int], page_size: int, start: int, end: int) -> Any:
@@ -179,8 +202,14 @@ def raw(tensor: torch.Tensor) -> Any:
 
 
 class KVCopier:
-    """Loads and saves of whole runs for one worker: caches[layer] is vLLM's cache of that layer, writers[layer]
-    its attention backend's cache writer (the torch path's loads store with it)."""
+    """Loads and saves of whole runs for one worker: caches[layer] is vLLM's cache of that layer (in `layout`,
+    as vllm_layout.check_layout found it), writers[layer] its attention backend's cache writer (the torch path's
+    loads store with it).
+
+    On a GPU, load() and save() return once their copies are done on the device: a load before vLLM's forward
+    reads the blocks (and it starts once vLLM's earlier work is done), a save before kvpool commits the pages or
+    vLLM reuses the blocks.
+    """
 
     def __init__(
         self,
@@ -189,12 +218,19 @@ class KVCopier:
         block_size: int,
         native: bool = True,
         widest: str = "avx512",
+        layout: Layout = Layout.CPU_VEC,
     ) -> None:
         self.caches, self.writers, self.block_size, self._widest = caches, writers, block_size, widest
+        self.layout = layout
         self.build = ""  # the compiled build of the last copy: "avx512", "avx2" or "narrow" ("": none yet)
         layers = [caches[i] for i in range(len(caches))]
+        self.device = layers[0].device if layers else torch.device("cpu")
+        # The compiled copy reads and writes the CPU layout's memory directly: CPU caches in that layout only.
         use = (
-            native and NATIVE is not None and all(c.device.type == "cpu" and c.element_size() in (2, 4) for c in layers)
+            native
+            and NATIVE is not None
+            and layout is Layout.CPU_VEC
+            and all(c.device.type == "cpu" and c.element_size() in (2, 4) for c in layers)
         )
         self._raw = [raw(c) for c in layers] if use else None
         self._load_bufs, self._save_bufs = Buffers(), Buffers()  # one each: loads and saves may run on two threads
@@ -209,17 +245,37 @@ class KVCopier:
             self._copy_native(pool, block_ids, pages, start, end, to_pool=False)
             return
         plan = load_plan(pages, pool.shape[3], block_ids, self.block_size, start, end)
+        plan = on_devices(plan, pool.device, self.device)
+        # vLLM's queued work on these blocks (its zeroing of new blocks, a freed request's last reads) is done.
+        self._wait(pool, vllms_work=True)
         for layer, write in self.writers.items():
             load_layer(write, pool[:, :, layer], plan, self._load_bufs)
+        self._wait(pool)  # the blocks are written before vLLM's forward, on its own stream, reads them
 
     def save(self, pool: torch.Tensor, block_ids: list[int], pages: list[int], start: int, end: int) -> None:
         """Tokens [start, end) from vLLM's blocks into the pool's pages."""
         if self._raw is not None:
             self._copy_native(pool, block_ids, pages, start, end, to_pool=True)
             return
-        plan = save_plan(block_ids, self.block_size, pages, pool.shape[3], start, end)
+        plan = save_on_devices(
+            save_plan(block_ids, self.block_size, pages, pool.shape[3], start, end), pool.device, self.device
+        )
         for layer, cache in self.caches.items():
-            save_layer(cache, pool[:, :, layer], plan, self._save_bufs)
+            save_layer(cache, pool[:, :, layer], plan, self._save_bufs, self.layout)
+        # The pages hold the K/V before kvpool commits them (other processes read the pool) and before vLLM,
+        # told the save is done, reuses the blocks. (That the forward has written the blocks before this save
+        # reads them is the caller's: the connector waits for an event recorded after the forward.)
+        self._wait(pool)
+
+    def _wait(self, pool: torch.Tensor, vllms_work: bool = False) -> None:
+        """On the GPU(s) of the caches and the pool, wait for this thread's copies (its current stream), or for
+        all work (vLLM's streams too; not at the end of a save: vLLM's next forward may be queued by then)."""
+        for device in {self.device, pool.device}:
+            if device.type == "cuda":
+                if vllms_work:
+                    torch.cuda.synchronize(device)
+                else:
+                    torch.cuda.current_stream(device).synchronize()
 
     def _copy_native(
         self, pool: torch.Tensor, block_ids: list[int], pages: list[int], start: int, end: int, to_pool: bool

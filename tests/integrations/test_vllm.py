@@ -3,7 +3,8 @@
 Engines run one at a time in their own process (tests/integrations/vllm_engine.py), with vLLM's own
 prefix caching off, so every cached token a request reports came from kvpool. The model is a tiny
 random Llama (2 layers, 2 KV heads of 32, vocab 256): vLLM's CPU block is 32 tokens, kvpool's page
-16 (and 32 in the restart test), so both page = block and page != block are covered.
+16 (and 32 in the restart test), so both page = block and page != block are covered. The `gpu` test runs
+the same on CUDA, with a CUDA pool (skipped without CUDA; it needs a CUDA build of vLLM).
 """
 
 import json
@@ -309,3 +310,26 @@ def test_geometry_mismatch_is_refused(model_dir: str, tmp_path: Path) -> None:
     message = str(excinfo.value) + (tmp_path / "mismatch.log").read_text()
     assert "holds 3 layers x 2 KV heads x head_dim 32, float32" in message
     assert "the vLLM model's KV cache is 2 layers x 2 KV heads x head_dim 32, float32" in message
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_with_a_cuda_pool(model_dir: str, reference: dict[str, list[int]], tmp_path: Path) -> None:
+    """vLLM on CUDA (a GPU attention backend: its block layout is the one the probe must find) with kvpool's
+    pool on the GPU, mapped by CUDA IPC: a prompt's second run loads its prefix, tokens as vLLM's alone."""
+    server = KVPool(model_dir, 16, KVPOOL_DEVICE="cuda")
+    try:
+        engine = Engine(model_dir, server.url, tmp_path / "gpu.log")
+        try:
+            names = ("miss", "miss", "partial", "exact")
+            runs = [engine.generate(PROMPTS[name])[0] for name in names]
+            stats = engine.stats
+        finally:
+            engine.close()
+        pool = server.pool()
+    finally:
+        server.stop()
+    assert [out["token_ids"] for out in runs] == [reference[name] for name in names]
+    assert [out["num_cached_tokens"] for out in runs] == [0, 96, 64, 96]
+    assert stats["loaded_tokens"] == 96 + 64 + 96 and stats["saved_tokens"] > 0
+    assert not any(k.startswith("faults") or k == "internal_errors" for k in stats), stats
+    assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)

@@ -1,4 +1,5 @@
-"""The CPU block layout the vLLM connector reads, against what vLLM's own CPU kernel writes."""
+"""The CPU block layout the vLLM connector reads, against what vLLM's own CPU kernel writes (the GPU backends'
+layout: test_vllm_gpu_layout.py)."""
 
 from types import SimpleNamespace
 from typing import Any
@@ -9,16 +10,16 @@ import torch
 from service.integrations.vllm_layout import check_layout, kv_views
 
 
-class NaturalLayout:
-    """A backend that stores K as [block_size, head_dim] per block and head (not vLLM's CPU layout)."""
+class VFirstLayout:
+    """A backend that stores V then K per block, head and token (the GPU backends' layout has K first)."""
 
     def do_kv_cache_update(
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
         blocks, offsets = slots // cache.shape[2], slots % cache.shape[2]
         d = cache.shape[3] // 2
-        cache[blocks, :, offsets, :d] = key
-        cache[blocks, :, offsets, d:] = value
+        cache[blocks, :, offsets, :d] = value
+        cache[blocks, :, offsets, d:] = key
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -39,8 +40,8 @@ def test_views_read_what_vllms_cpu_kernel_writes(dtype: torch.dtype, block_size:
 
 
 def test_a_layout_it_does_not_know_is_refused() -> None:
-    layer = SimpleNamespace(impl=NaturalLayout())
-    with pytest.raises(ValueError, match="does not know the KV block layout of NaturalLayout"):
+    layer = SimpleNamespace(impl=VFirstLayout())
+    with pytest.raises(ValueError, match="does not know the KV block layout of VFirstLayout"):
         check_layout(layer, torch.zeros(4, 2, 32, 64))
     with pytest.raises(ValueError, match=r"cache shape \(2, 4, 32, 2, 32\)"):
         check_layout(layer, torch.zeros(2, 4, 32, 2, 32))  # a GPU-style [2, blocks, block_size, heads, d]
