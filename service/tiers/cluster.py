@@ -22,7 +22,7 @@ fails closes every connection and the map is fetched again too.
 
 import collections
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.backoff import NoBackoff
@@ -30,7 +30,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
-from service.tiers.resp import REDIRECTED, TLS_OPTIONS, Destination, RespConnection, RespError, tls_context
+from service.tiers.resp import REDIRECTED, TLS_OPTIONS, RespConnection, RespError, tls_context
 
 SCHEMES = ("redis+cluster", "rediss+cluster")
 Address = tuple[str, int]
@@ -151,7 +151,7 @@ class ClusterReader:
             self.close()
             raise
 
-    def read_value(self, into: Destination) -> int:
+    def read_value(self, into: Sequence[memoryview]) -> int:
         return self._read(lambda conn: conn.read_value(into))
 
     def read_int(self) -> int:

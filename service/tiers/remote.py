@@ -87,12 +87,11 @@ def encode_value(prefix: bytes, data: bytes) -> bytes:
     return body + CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def decode_value(value: bytes | np.ndarray | None, prefix: bytes, page_nbytes: int) -> np.ndarray | None:
-    """The page bytes of `value` (bytes, or a contiguous uint8 row) if it is the entry `prefix`
-    describes, intact; else None."""
+def decode_value(value: bytes | None, prefix: bytes, page_nbytes: int) -> np.ndarray | None:
+    """The page bytes of `value` if it is the entry `prefix` describes, intact; else None."""
     if value is None or len(value) != len(prefix) + page_nbytes + CHECKSUM.size:
         return None
-    view = value.data.cast("B") if isinstance(value, np.ndarray) else memoryview(value)
+    view = memoryview(value)
     if view[: len(prefix)] != prefix:
         return None
     if CHECKSUM.unpack_from(view, len(view) - CHECKSUM.size)[0] != xxhash.xxh3_64_intdigest(view[: -CHECKSUM.size]):

@@ -22,16 +22,13 @@ import inspect
 import socket
 import ssl
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any
 
-import numpy as np
 from redis.connection import SSLConnection, parse_url
 
 LINE_BUF = 1 << 16
 RECV_BUF = 8 << 20
 MISSING, REDIRECTED = -1, -2  # sizes read_value returns besides a value's length
-# Where read_value puts a value: a contiguous uint8 row, or writable byte buffers filled in turn.
-Destination: TypeAlias = "np.ndarray | Sequence[memoryview]"
 
 
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
@@ -211,9 +208,9 @@ class RespConnection:
         if self._line() != b"":
             raise RespError("a value did not end where its length said")
 
-    def read_value(self, into: Destination) -> int:
-        """The next reply, a value: straight into `into` when its size is what `into` holds (a row, or
-        buffers filled in turn). Returns its size, or MISSING (no such key), or REDIRECTED (-MOVED/-ASK:
+    def read_value(self, into: Sequence[memoryview]) -> int:
+        """The next reply, a value: straight into the writable buffers `into`, filled in turn, when its
+        size is what they hold together. Returns its size, or MISSING (no such key), or REDIRECTED (-MOVED/-ASK:
         the key's slot is on another node)."""
         try:
             line = self._line()
@@ -224,9 +221,8 @@ class RespConnection:
             size = int(line[1:])
             if size < 0:
                 return MISSING
-            parts = [into.data] if isinstance(into, np.ndarray) else into  # (a row: contiguous uint8)
-            if size == sum(len(part) for part in parts):
-                for part in parts:
+            if size == sum(len(part) for part in into):
+                for part in into:
                     self._read_into(part)
             else:
                 scratch = memoryview(bytearray(min(size, LINE_BUF)))

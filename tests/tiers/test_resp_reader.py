@@ -24,11 +24,11 @@ def test_values_into_rows_and_two_replies_in_flight(redis_server: RedisServer) -
         reader.send_getex([b"a", b"missing", b"short", b"b"], 100)
         reader.send_getex([b"c", b"a"], 100)  # sent before the first replies are read
         rows = np.zeros((4, size), dtype=np.uint8)
-        assert [reader.read_value(row) for row in rows] == [size, MISSING, 10, size]
+        assert [reader.read_value([row.data]) for row in rows] == [size, MISSING, 10, size]
         assert rows[0].tobytes() == values[0] and rows[3].tobytes() == values[1]
         assert not rows[1].any() and not rows[2].any()  # nothing written for a missing or wrong-sized value
         rows2 = np.zeros((2, size), dtype=np.uint8)
-        assert [reader.read_value(row) for row in rows2] == [size, size]
+        assert [reader.read_value([row.data]) for row in rows2] == [size, size]
         assert rows2[0].tobytes() == values[2] and rows2[1].tobytes() == values[0]
         assert 95 < client.ttl("a") <= 100 and 95 < client.ttl("c") <= 100  # the reads set the TTL again
         assert not client.exists("missing")  # a miss creates nothing
@@ -71,7 +71,7 @@ def test_password_and_database_from_the_url(redis_server: RedisServer) -> None:
     try:
         reader.send_getex([b"k"], 60)
         rows = np.zeros((1, 7), dtype=np.uint8)
-        assert reader.read_value(rows[0]) == 7
+        assert reader.read_value([rows[0].data]) == 7
         assert rows[0].tobytes() == b"in db 3"
     finally:
         reader.close()
@@ -87,16 +87,16 @@ def test_store_down_then_back(redis_server: RedisServer) -> None:
     rows = np.zeros((1, 2), dtype=np.uint8)
     try:
         reader.send_getex([b"k"], 60)
-        assert reader.read_value(rows[0]) == 2
+        assert reader.read_value([rows[0].data]) == 2
         redis_server.stop()
         with pytest.raises(OSError):
             reader.send_getex([b"k"], 60)
-            reader.read_value(rows[0])
+            reader.read_value([rows[0].data])
         assert reader.sock is None
         redis_server.start()
         redis_server.client().set("k", b"v2")
         reader.send_getex([b"k"], 60)  # reconnects
-        assert reader.read_value(rows[0]) == 2
+        assert reader.read_value([rows[0].data]) == 2
         assert rows[0].tobytes() == b"v2"
     finally:
         reader.close()
@@ -110,7 +110,7 @@ def test_tls_reads_through_the_same_reader(redis_tls_server: RedisTLSServer) -> 
     rows = np.zeros((2, len(value)), dtype=np.uint8)
     try:
         reader.send_getex([b"k", b"missing"], 60)
-        assert [reader.read_value(row) for row in rows] == [len(value), MISSING]
+        assert [reader.read_value([row.data]) for row in rows] == [len(value), MISSING]
         assert rows[0].tobytes() == value
         assert isinstance(reader.sock, ssl.SSLSocket)
     finally:
