@@ -90,7 +90,7 @@ def load_plan(
     return LoadPlan(torch.tensor(pages[first:last], dtype=torch.int64), start - first * page_size, end - start, slots)
 
 
-def on_devices(plan: LoadPlan, pool: torch.device, cache: torch.device) -> LoadPlan:
+def load_on_devices(plan: LoadPlan, pool: torch.device, cache: torch.device) -> LoadPlan:
     """The plan's indices where they are used: page ids with the pool, slots with the cache (once per request)."""
     return LoadPlan(plan.pages.to(pool), plan.offset, plan.count, plan.slots.to(cache))
 
@@ -245,7 +245,7 @@ class KVCopier:
             self._copy_native(pool, block_ids, pages, start, end, to_pool=False)
             return
         plan = load_plan(pages, pool.shape[3], block_ids, self.block_size, start, end)
-        plan = on_devices(plan, pool.device, self.device)
+        plan = load_on_devices(plan, pool.device, self.device)
         # vLLM's queued work on these blocks (its zeroing of new blocks, a freed request's last reads) is done.
         self._wait(pool, vllms_work=True)
         for layer, write in self.writers.items():

@@ -9,6 +9,7 @@ import torch
 
 from service.integrations.vllm_copy import KVCopier
 from service.integrations.vllm_layout import Layout, check_layout, kv_views, scratch_like
+from tests.integrations.test_vllm_layout import placement
 
 pytest.importorskip("vllm")
 
@@ -121,15 +122,9 @@ def test_save_and_load_in_the_gpu_layout_are_exact(
     layers, num_blocks, num_pages, heads, d, block = 2, 12, 13, 2, 32, 32
     caches = vllm_caches(layout, layers, num_blocks, heads, block, d, generator=gen, dtype=dtype)
     pool = torch.randn(num_pages + 1, 2, layers, page_size, heads, d, generator=gen).to(dtype)  # the poison
-    n_blocks, n_pages = -(-end // block), -(-end // page_size)
-    if consecutive:
-        block_ids, pages = list(range(2, 2 + n_blocks)), list(range(1, 1 + n_pages))
-    else:
-        block_ids = torch.randperm(num_blocks, generator=gen)[:n_blocks].tolist()
-        pages = (torch.randperm(num_pages, generator=gen) + 1)[:n_pages].tolist()
-    tokens = torch.arange(start, end)
-    in_blocks = torch.tensor(block_ids)[tokens // block], tokens % block
-    in_pages = torch.tensor(pages)[tokens // page_size], tokens % page_size
+    block_ids, pages, in_blocks, in_pages = placement(
+        gen, start, end, (block, num_blocks), (page_size, num_pages), consecutive
+    )
     expected = pool.clone()
     for i, cache in enumerate(caches):  # token by token, through the logical tensor: K then V per token
         expected[in_pages[0], 0, i, in_pages[1]] = cache[in_blocks[0], :, in_blocks[1], :d]

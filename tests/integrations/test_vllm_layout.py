@@ -62,6 +62,27 @@ def cpu_writer(cache: torch.Tensor) -> Any:
     return write
 
 
+Where = tuple[torch.Tensor, torch.Tensor]  # (block or page id, offset in it) of each token
+
+
+def placement(
+    gen: torch.Generator, start: int, end: int, blocks: tuple[int, int], pages: tuple[int, int], consecutive: bool
+) -> tuple[list[int], list[int], Where, Where]:
+    """A sequence's vLLM block ids and kvpool page ids (blocks, pages: (size, how many there are)), consecutive
+    or drawn at random, and where each token of [start, end) lies in each."""
+    (block, num_blocks), (page_size, num_pages) = blocks, pages
+    n_blocks, n_pages = -(-end // block), -(-end // page_size)
+    if consecutive:
+        block_ids, page_ids = list(range(2, 2 + n_blocks)), list(range(1, 1 + n_pages))
+    else:
+        block_ids = torch.randperm(num_blocks, generator=gen)[:n_blocks].tolist()
+        page_ids = (torch.randperm(num_pages, generator=gen) + 1)[:n_pages].tolist()
+    tokens = torch.arange(start, end)
+    in_blocks = torch.tensor(block_ids)[tokens // block], tokens % block
+    in_pages = torch.tensor(page_ids)[tokens // page_size], tokens % page_size
+    return block_ids, page_ids, in_blocks, in_pages
+
+
 BUILDS = ["narrow", "avx2", "avx512"]  # narrowest first
 
 
@@ -98,15 +119,9 @@ def test_save_and_load_match_a_token_by_token_copy(
     layers, num_blocks, num_pages, heads, d, block = 2, 12, 13, 2, 32, 32
     caches = [torch.randn(num_blocks, heads, block, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
     pool = torch.randn(num_pages + 1, 2, layers, page_size, heads, d, generator=gen).to(dtype)
-    n_blocks, n_pages = -(-end // block), -(-end // page_size)
-    if consecutive:
-        block_ids, pages = list(range(2, 2 + n_blocks)), list(range(1, 1 + n_pages))
-    else:
-        block_ids = torch.randperm(num_blocks, generator=gen)[:n_blocks].tolist()
-        pages = (torch.randperm(num_pages, generator=gen) + 1)[:n_pages].tolist()
-    tokens = torch.arange(start, end)
-    in_blocks = torch.tensor(block_ids)[tokens // block], tokens % block
-    in_pages = torch.tensor(pages)[tokens // page_size], tokens % page_size
+    block_ids, pages, in_blocks, in_pages = placement(
+        gen, start, end, (block, num_blocks), (page_size, num_pages), consecutive
+    )
     expected = pool.clone()
     for layer, cache in enumerate(caches):
         k, v = kv_views(cache)
