@@ -29,7 +29,6 @@ is bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a failure is counted, the tie
 and the next call reconnects. Needs Redis >= 6.2 (GETEX) or any Valkey.
 """
 
-import hashlib
 import struct
 import threading
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from service.config import Settings
+from service.core.tier_index import chain_hashes
 from service.tiers.cluster import ClusterReader, cluster_client, is_cluster_url
 from service.tiers.resp import REDIRECTED, RespConnection
 from service.tiers.stats import TierStats
@@ -137,14 +137,8 @@ class RemoteStore:
     def chain(self, parent: bytes, data: bytes, page_nbytes: int, skip: int, limit: int) -> Chain:
         """The page hashes and token bytes of `data` (token bytes chained after the page hashed
         `parent`) from page `skip` on, up to page `limit`."""
-        hashes: list[bytes] = []
-        tokens: list[bytes] = []
-        for i in range(min(limit, len(data) // page_nbytes)):
-            page = data[i * page_nbytes : (i + 1) * page_nbytes]
-            parent = hashlib.sha256(parent + page).digest()
-            if i >= skip:
-                hashes.append(parent)
-                tokens.append(page)
+        hashes = chain_hashes(parent, data, page_nbytes, limit)[skip:]
+        tokens = [data[i * page_nbytes : (i + 1) * page_nbytes] for i in range(skip, skip + len(hashes))]
         return hashes, tokens
 
     def count(self, hashes: list[bytes]) -> int:
