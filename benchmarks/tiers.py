@@ -225,6 +225,8 @@ class RedisProcess:
         if cluster_of:
             self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
         self.dir = tempfile.mkdtemp(prefix="kvpool-bench-redis-")
+        # One client per node, made once: dbsize() polls them while the remote writer catches up.
+        self._clients = [redis.Redis(host="127.0.0.1", port=p) for p in self.ports]
         self.procs = []
         for port in self.ports:
             args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir]
@@ -256,7 +258,7 @@ class RedisProcess:
                         pass
 
     def clients(self) -> list["redis.Redis"]:
-        return [redis.Redis(host="127.0.0.1", port=p) for p in self.ports]
+        return self._clients
 
     def wait(self, ready: Callable[["redis.Redis"], Any]) -> None:
         for _ in range(400):
@@ -279,6 +281,8 @@ class RedisProcess:
         for proc in self.procs:
             proc.kill()
             proc.wait()
+        for client in self._clients:
+            client.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
