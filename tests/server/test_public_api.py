@@ -3,8 +3,10 @@
 Every module under service/, kernels/ and benchmarks/ is read as an AST and checked for: an import of a
 private module or name (`from fastapi.routing import _X`, `import starlette._utils`), attribute access to
 a private name through a framework import (`fastapi.routing._X`, `APIRoute._embed_body_fields`), a
-`getattr`/`hasattr`/`setattr` of a private name on one, and a subclass of their routing or protocol
-classes. Dunder names (`FastAPI.__init__`) are public Python protocol, not private API.
+`getattr`/`hasattr`/`setattr` of a private name on one, a private attribute of a framework object
+(`request._body` where the parameter is annotated `request: Request`; `self._x` in a subclass of a
+framework class when the subclass does not define `_x` itself), and a subclass of their routing or
+protocol classes. Dunder names (`FastAPI.__init__`) are public Python protocol, not private API.
 """
 
 import ast
@@ -73,6 +75,51 @@ def violations(source: str) -> Iterator[str]:
                 qualified = qualified_name(base, bound)
                 if qualified is not None and qualified.startswith(CLOSED_MODULES):
                     yield f"line {node.lineno}: class {node.name}({qualified})"
+            yield from inherited_private_uses(node, bound)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from private_uses_of_parameters(node, bound)
+
+
+def framework_annotation(annotation: ast.expr | None, bound: dict[str, str]) -> str | None:
+    """The framework class an annotation names (`Request`, `Request | None`, `"Request"`), else None."""
+    if annotation is None:
+        return None
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return framework_annotation(ast.parse(annotation.value, mode="eval").body, bound)
+    if isinstance(annotation, ast.BinOp):  # X | None
+        return framework_annotation(annotation.left, bound) or framework_annotation(annotation.right, bound)
+    if isinstance(annotation, ast.Subscript):  # Optional[X], Annotated[X, ...]
+        inner = annotation.slice
+        first = inner.elts[0] if isinstance(inner, ast.Tuple) else inner
+        return framework_annotation(first, bound)
+    return qualified_name(annotation, bound)
+
+
+def private_uses_of_parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef, bound: dict[str, str]) -> Iterator[str]:
+    """`param._x` in `fn`, where `param` is annotated with a framework class."""
+    args = [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
+    typed = {a.arg: t for a in args if (t := framework_annotation(a.annotation, bound)) is not None}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute) and is_private(node.attr) and isinstance(node.value, ast.Name):
+            if node.value.id in typed:
+                yield f"line {node.lineno}: {node.value.id}._{node.attr[1:]} ({typed[node.value.id]})"
+
+
+def inherited_private_uses(cls: ast.ClassDef, bound: dict[str, str]) -> Iterator[str]:
+    """`self._x` in a subclass of a framework class, `_x` being none of the subclass's own names."""
+    bases = [q for base in cls.bases if (q := qualified_name(base, bound)) is not None]
+    if not bases:
+        return
+    own = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            own |= {t.attr for t in targets if isinstance(t, ast.Attribute)}
+            own |= {t.id for t in targets if isinstance(t, ast.Name)}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and is_private(node.attr) and node.attr not in own:
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                yield f"line {node.lineno}: self.{node.attr} (inherited from {bases[0]})"
 
 
 def modules() -> list[Path]:
@@ -102,11 +149,21 @@ PRIVATE_USES = {
         "class P(uvicorn.protocols.http.httptools_impl.HttpToolsProtocol)"
     ),
     "import starlette.routing\nclass R(starlette.routing.Router): pass": "class R(starlette.routing.Router)",
+    "from starlette.requests import Request\nasync def f(request: Request):\n    return request._body": (
+        "request._body (starlette.requests.Request)"
+    ),
+    "from fastapi import Request\ndef f(r: 'Request | None'):\n    r._stream_consumed = True": "r._stream_consumed",
+    "import uvicorn\nclass S(uvicorn.Server):\n    def f(self):\n        return self._servers": (
+        "self._servers (inherited from uvicorn.Server)"
+    ),
 }
 PUBLIC_USES = [
     "import inspect\nfrom fastapi import FastAPI\ninspect.signature(FastAPI.__init__)",
     "import uvicorn\nclass S(uvicorn.Server):\n    def handle_exit(self, sig, frame): pass",
     "from starlette.routing import Match\nx = Match.FULL",
+    "from starlette.requests import Request\nasync def f(request: Request):\n    return await request.body()",
+    "import uvicorn\nclass S(uvicorn.Server):\n    def __init__(self):\n        self._mine = 1\n    def f(self):\n"
+    "        return self._mine",
     "import numpy as np\nx = np._private",  # not a framework
     "from fastapi import Request\nclass Body:\n    _cache = 1\n    def f(self):\n        return self._cache",
 ]
