@@ -177,7 +177,7 @@ def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dic
     written before each repetition, so none of them is cached: as a load meets the pool in a step)."""
     import torch
 
-    link, copier = connector._link, connector._copier  # (internals: this is a benchmark)
+    link, copier = connector._link, connector._worker._copier  # (internals: this is a benchmark)
     info = link.client.create_sequence("bench-copies", token_ids, ttl_s=0)
     n = info.cached_tokens // connector._block_size * connector._block_size
     pages, blocks = info.block_table, list(range(1, 1 + -(-n // connector._block_size)))  # (0: vLLM's null block)
