@@ -134,7 +134,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
 
-    # ==== worker side: vllm_worker ================================================================
+    # ==== worker side: vllm_worker (its methods say what each call does) ==========================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_side().register_kv_caches(kv_caches)
 
@@ -150,16 +150,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         return  # wait_for_save copies every layer at once: one HTTP transaction per request, not per layer
 
     def wait_for_save(self) -> None:
-        """Queue this step's saves on the connector's thread; the step does not wait for them."""
         self._worker_side().wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """The finished requests whose saves are all done: vLLM may free their blocks now."""
         return self._worker_side().get_finished(finished_req_ids)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """vLLM freed the blocks of preempted requests (no request_finished) and may write into them in this
-        step: their queued saves read those blocks, so they run first."""
         self._worker_side().handle_preemptions(kv_connector_metadata)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
