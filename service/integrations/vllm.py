@@ -6,7 +6,8 @@
 
 Extra config keys: `kvpool_url` (required), `kvpool_api_key` (a Bearer key of KVPOOL_API_KEYS; its
 tenant must be in KVPOOL_IPC_TENANTS), `timeout_s` (per HTTP call, 5), `retry_interval_s` (how long
-calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the step wait).
+calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the step wait), `load_wait_s`
+(2; how long a consumer's lookup waits for the tokens a producer announced in kv_transfer_params).
 
 Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is the
 cached prefix, held (not evictable) until its first save, or until the request finishes or is aborted.
@@ -49,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.integrations.kvpool_link import KVPoolLink
-from service.integrations.vllm_metadata import model_geometry
+from service.integrations.vllm_metadata import Role, model_geometry
 from service.integrations.vllm_scheduler import KVPoolConnectorScheduler
 from service.integrations.vllm_thread import WorkerThread
 from service.integrations.vllm_worker import KVPoolConnectorWorker
@@ -70,7 +71,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         if not extra.get("kvpool_url"):
             raise ValueError("KVPoolConnector needs kv_connector_extra_config.kvpool_url (e.g. http://127.0.0.1:8000)")
-        unknown = set(extra) - {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s", "max_queued_saves"}
+        known = {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s", "max_queued_saves", "load_wait_s"}
+        unknown = set(extra) - known
         if unknown:
             raise ValueError(f"KVPoolConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
         self._block_size = vllm_config.cache_config.block_size
@@ -92,9 +94,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._thread = WorkerThread(int(extra.get("max_queued_saves", 64)))
         self._waits: Counter[str] = Counter()  # counted on vLLM's thread (link.stats: on the connector's)
         atexit.register(self._thread.close)  # an exit without shutdown() still runs what is queued
+        transfer = self._kv_transfer_config
+        kv_role = Role(transfer.is_kv_consumer, transfer.is_kv_producer, float(extra.get("load_wait_s", 2.0)))
         # One object per role, each only in its role.
         self._scheduler = (
-            KVPoolConnectorScheduler(self._link, self._thread, self._waits, self._block_size)
+            KVPoolConnectorScheduler(self._link, self._thread, self._waits, self._block_size, kv_role)
             if role == KVConnectorRole.SCHEDULER
             else None
         )

@@ -45,6 +45,7 @@ from service.core.tier_index import chain_hashes
 from service.tiers.cluster import ClusterReader, cluster_client, is_cluster_url
 from service.tiers.resp import REDIRECTED, RespConnection
 from service.tiers.stats import TierStats
+from service.wire.dtypes import FP8_DTYPES
 
 MAGIC = b"kvpool-remote-v2"  # v2: XXH3-64 instead of zlib's CRC-32 (6.8 GB/s here: a fifth of a restore)
 Chain = tuple[list[bytes], list[bytes]]  # page hashes, token bytes
@@ -66,7 +67,7 @@ def read_batch(page_nbytes: int) -> int:
 def geometry(s: Settings) -> str:
     """What must match for two pools to share pages, as a key part (e.g. L4.H2.D64.P16.float32)."""
     tag = f"L{s.num_layers}.H{s.num_kv_heads}.D{s.head_dim}.P{s.page_size}.{s.dtype}"
-    if s.dtype == "float8_e4m3fn":
+    if s.dtype in FP8_DTYPES:
         tag += f".g{s.quant_granularity}.{s.scale_dtype}"
     if s.mla:
         tag += f".mla{s.kv_lora_rank}"
