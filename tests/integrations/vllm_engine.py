@@ -3,7 +3,7 @@
     python -m tests.integrations.vllm_engine '{"model": DIR, "block_size": 32, "kvpool_url": URL or null}'
 
 Optional keys: "dtype" (float32), "kv_cache_dtype" (auto), "kv_role" (kv_both), "max_tokens" (8),
-"max_model_len" (1024).
+"max_model_len" (1024), "prefix_caching" (false: hits can then only come from kvpool).
 
 Reads one JSON request per line, [{"token_ids": [...], "cache_salt": "..."}, ...], generates them
 (greedy, max_tokens new tokens), waits for the connector's saves, and answers one line: {"outputs":
@@ -44,7 +44,7 @@ def main() -> None:
         enforce_eager=True,
         block_size=config.get("block_size", 32),
         max_model_len=config.get("max_model_len", 1024),
-        enable_prefix_caching=False,  # hits can then only come from kvpool
+        enable_prefix_caching=config.get("prefix_caching", False),
         kv_cache_memory_bytes=64 << 20,
         kv_transfer_config=transfer,
     )
