@@ -3,8 +3,6 @@ one past it is refused with 422 in the error envelope, naming the field, and cha
 
 from typing import Any
 
-import pytest
-
 from tests.conftest import Server
 
 U32_MAX = 2**32 - 1
@@ -19,19 +17,18 @@ def requests(ids: list[int]) -> dict[str, tuple[str, dict[str, Any]]]:
     }
 
 
-@pytest.mark.parametrize("route", ["create", "append", "step", "prefix match"])
-def test_token_ids_outside_u32_are_refused(server: Server, route: str) -> None:
+def test_token_ids_outside_u32_are_refused(server: Server) -> None:
     c = server.client
     assert c.post("/v1/sequences", json={"seq_id": "e"}).status_code == 201
-    before = c.get("/v1/pool").json()
-    for bad in (2**32, -1, 2**63):
-        path, body = requests([7, bad, 9, 11])[route]
-        r = c.post(path, json=body)
-        assert r.status_code == 422, r.text
-        error = r.json()["error"]
-        assert set(r.json()) == {"error"} and error["code"] == "invalid_request"
-        assert "token_ids" in error["message"] and ("4294967296" in error["message"] or bad < 0)
-    assert c.get("/v1/pool").json() == before
-    assert c.get("/v1/sequences/e").json()["length"] == 0
-    path, body = requests([7, U32_MAX, 9, 11])[route]
-    assert c.post(path, json=body).status_code in (200, 201)
+    for route in ("create", "append", "step", "prefix match"):
+        before = c.get("/v1/pool").json(), c.get("/v1/sequences/e").json()
+        for bad in (2**32, -1, 2**63):
+            path, body = requests([7, bad, 9, 11])[route]
+            r = c.post(path, json=body)
+            assert r.status_code == 422, (route, r.text)
+            error = r.json()["error"]
+            assert set(r.json()) == {"error"} and error["code"] == "invalid_request"
+            assert "token_ids" in error["message"] and ("4294967296" in error["message"] or bad < 0)
+        assert (c.get("/v1/pool").json(), c.get("/v1/sequences/e").json()) == before
+        path, body = requests([7, U32_MAX, 9, 11])[route]
+        assert c.post(path, json=body).status_code in (200, 201), route
