@@ -36,7 +36,7 @@ def available() -> str:
     return ""
 
 
-def in_private_network(body: Callable[[], T]) -> T:
+def in_private_network(body: Callable[[], T], timeout: float = 300.0) -> T:
     """body() on a new thread in a new network namespace with only loopback, up; its result or error."""
     result: list[Any] = []
 
@@ -52,7 +52,9 @@ def in_private_network(body: Callable[[], T]) -> T:
 
     thread = threading.Thread(target=run, name="private-network")
     thread.start()
-    thread.join()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"the test's body did not end in {timeout:.0f} s")
     kind, value = result[0]
     if kind == "error":
         raise value

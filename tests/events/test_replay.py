@@ -46,8 +46,13 @@ def publish(pub: EventPublisher, num_batches: int, hashes: int = 32) -> None:
             time.sleep(0.0002)
 
 
-def ask(ctx: zmq.Context[Any], endpoint: str, start: int) -> zmq.Socket[Any]:
+def ask(ctx: zmq.Context[Any], endpoint: str, start: int, small_queues: bool = False) -> zmq.Socket[Any]:
+    """A DEALER that has sent a replay request; `small_queues`: it holds little it has not read (8
+    messages in ZeroMQ's queue, 64 KiB in the kernel's), so that a reply outgrows it at once."""
     dealer = ctx.socket(zmq.DEALER)
+    if small_queues:
+        dealer.setsockopt(zmq.RCVHWM, 8)
+        dealer.setsockopt(zmq.RCVBUF, 1 << 16)
     dealer.connect(endpoint)
     dealer.send_multipart([b"", start.to_bytes(8, "big")])
     return dealer
@@ -140,11 +145,7 @@ def test_a_reply_outrun_by_the_buffer_stops_where_its_batches_left_and_says_so(p
     publish(pub, 1000, hashes=1000)  # ~9 KB each: the reply is far more than the sockets can hold
     ctx = zmq.Context()
     try:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.RCVHWM, 8)
-        dealer.setsockopt(zmq.RCVBUF, 1 << 16)
-        dealer.connect(pub.replay_endpoint)
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        dealer = ask(ctx, pub.replay_endpoint, 0, small_queues=True)
         time.sleep(0.3)  # the reader takes nothing while the buffer turns over
         publish(pub, 1000, hashes=1000)
         seqs = read_reply(dealer)
@@ -183,11 +184,7 @@ def test_a_reader_that_takes_nothing_is_abandoned_and_delays_nobody(publisher: A
     publish(pub, 1000, hashes=1000)
     ctx = zmq.Context()
     try:
-        stalled = ctx.socket(zmq.DEALER)
-        stalled.setsockopt(zmq.RCVHWM, 8)
-        stalled.setsockopt(zmq.RCVBUF, 1 << 16)
-        stalled.connect(pub.replay_endpoint)
-        stalled.send_multipart([b"", (0).to_bytes(8, "big")])
+        stalled = ask(ctx, pub.replay_endpoint, 0, small_queues=True)
         reader = ask(ctx, pub.replay_endpoint, 900)
         assert read_reply(reader) == list(range(900, 1000))
         deadline = time.monotonic() + 10
