@@ -92,6 +92,10 @@ class EventPublisher:
         except queue.Full:
             self.dropped += 1
 
+    def replay_outcomes(self) -> dict[str, int]:
+        """How replay requests ended so far ({} without a replay socket); read from any thread."""
+        return self._replay.outcomes() if self._replay is not None else {}
+
     def close(self, timeout: float = 1.0) -> None:
         """Publish what is queued (for up to `timeout` seconds), then stop the thread and close."""
         self._running = False

@@ -104,6 +104,15 @@ class ReplayServer:
         self.abandoned = 0  # replies dropped: the peer left, or took nothing for STALL_S
         self.refused = 0  # malformed requests, and requests past MAX_QUEUED_PER_PEER
 
+    def outcomes(self) -> dict[str, int]:
+        """How requests ended so far (what kvpool_kv_events_replays_total{outcome} reports)."""
+        return {
+            "completed": self.completed,
+            "cut_short": self.cut_short,
+            "abandoned": self.abandoned,
+            "refused": self.refused,
+        }
+
     def turn(self) -> bool:
         """Take waiting requests, then send each reply in progress its share. True when a message
         went out (the caller may turn again at once)."""

@@ -45,6 +45,11 @@ def counters(server: Server) -> dict[str, float]:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
+def metric_samples(server: Server, name: str) -> list[Any]:
+    text = server.client.get("/metrics").text
+    return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
 def test_scripted_commits_evictions_and_resets(start_server: Any, subscribe: Any) -> None:
     env = events_env()
     server = start_server(env)
@@ -103,6 +108,8 @@ def test_scripted_commits_evictions_and_resets(start_server: Any, subscribe: Any
     m = counters(server)
     assert m["kvpool_kv_events_published_total"] == len(events_seen(batches)) == 5
     assert m["kvpool_kv_events_dropped_total"] == 0
+    replays = {s.labels["outcome"]: s.value for s in metric_samples(server, "kvpool_kv_events_replays_total")}
+    assert replays == {"completed": 3, "cut_short": 0, "abandoned": 0, "refused": 0}
 
 
 def test_replay_returns_what_a_late_subscriber_missed(start_server: Any, subscribe: Any) -> None:
