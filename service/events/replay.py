@@ -40,6 +40,7 @@ SNDHWM = 16  # messages queued per replay peer (ZeroMQ copies payloads under 64 
 CHUNK = 16  # batches sent to one reply per turn at most
 MAX_REQUESTS_PER_TURN = 256
 MAX_QUEUED_PER_PEER = 8  # further requests from a peer whose reply is in progress, kept for later
+MAX_FRAME_BYTES = 64  # a request's frames are 0 and 8 bytes: a peer sending a larger one is disconnected
 STALL_S = 30.0
 
 
@@ -95,6 +96,7 @@ class ReplayServer:
     def __init__(self, socket: zmq.Socket[bytes], buffer: ReplayBuffer, topic: bytes) -> None:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.SNDHWM, SNDHWM)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.socket = socket
         self.buffer = buffer
         self.topic = topic
@@ -133,8 +135,7 @@ class ReplayServer:
                 return
             frames = self.socket.recv_multipart()
             if len(frames) != 3:
-                self.refused += 1
-                log.warning("KV events: a replay request of %d frames (3 expected) ignored", len(frames))
+                self._refuse(f"a replay request of {len(frames)} frames (3 expected)")
                 continue
             peer, _, start_bytes = frames
             start = int.from_bytes(start_bytes, "big")
@@ -144,10 +145,12 @@ class ReplayServer:
             elif len(reply.queued) < MAX_QUEUED_PER_PEER:
                 reply.queued.append(start)
             else:
-                self.refused += 1
-                log.warning(
-                    "KV events: a replay peer sent more than %d requests unread; one ignored", MAX_QUEUED_PER_PEER
-                )
+                self._refuse(f"a replay peer sent more than {MAX_QUEUED_PER_PEER} requests unread")
+
+    def _refuse(self, why: str) -> None:
+        """Count a request ignored; log the first (the metric counts them all: no log flood)."""
+        self.refused += 1
+        (log.warning if self.refused == 1 else log.debug)("KV events: %s; ignored (%d so far)", why, self.refused)
 
     def _reply(self, start: int) -> Reply:
         return Reply(self.buffer.position(start), self.buffer.end, time.monotonic())

@@ -46,6 +46,17 @@ def publish(pub: EventPublisher, num_batches: int, hashes: int = 32) -> None:
             time.sleep(0.0002)
 
 
+def outcomes(pub: EventPublisher, **expected: int) -> dict[str, int]:
+    """The publisher's replay outcomes once they show `expected` (each is counted just after its
+    reply's last message went out), or after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        got = pub.replay_outcomes()
+        if all(got[k] == v for k, v in expected.items()) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
 def ask(ctx: zmq.Context[Any], endpoint: str, start: int, small_queues: bool = False) -> zmq.Socket[Any]:
     """A DEALER that has sent a replay request; `small_queues`: it holds little it has not read (8
     messages in ZeroMQ's queue, 64 KiB in the kernel's), so that a reply outgrows it at once."""
@@ -154,7 +165,7 @@ def test_a_reply_outrun_by_the_buffer_stops_where_its_batches_left_and_says_so(p
         dealer.send_multipart([b"", (seqs[-1] + 1).to_bytes(8, "big")])
         again = read_reply(dealer)
         assert again == list(range(1000, 2000))  # what is buffered now: the gap before it is visible
-        assert pub._replay is not None and (pub._replay.cut_short, pub._replay.completed) == (1, 1)
+        assert outcomes(pub, cut_short=1, completed=1) == {"completed": 1, "cut_short": 1, "abandoned": 0, "refused": 0}
         dealer.close(linger=0)
     finally:
         ctx.destroy(linger=0)
@@ -169,11 +180,16 @@ def test_malformed_and_repeated_requests(publisher: Any) -> None:
         dealer.connect(pub.replay_endpoint)
         dealer.send_multipart([(0).to_bytes(8, "big")])  # no empty frame
         dealer.send_multipart([b"", b"x", b"y"])
+        oversized = ctx.socket(zmq.DEALER)
+        oversized.connect(pub.replay_endpoint)
+        oversized.send_multipart([b"", bytes(1000)])  # past the frame limit: disconnected, never answered
         for start in (40, 10, 45):  # three requests before reading: three replies, in order
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
         assert [read_reply(dealer) for _ in range(3)] == [list(range(s, 50)) for s in (40, 10, 45)]
-        assert pub._replay is not None and (pub._replay.refused, pub._replay.completed) == (2, 3)
+        assert outcomes(pub, completed=3) == {"completed": 3, "cut_short": 0, "abandoned": 0, "refused": 2}
+        assert not oversized.poll(500)
         dealer.close(linger=0)
+        oversized.close(linger=0)
     finally:
         ctx.destroy(linger=0)
 
@@ -187,10 +203,7 @@ def test_a_reader_that_takes_nothing_is_abandoned_and_delays_nobody(publisher: A
         stalled = ask(ctx, pub.replay_endpoint, 0, small_queues=True)
         reader = ask(ctx, pub.replay_endpoint, 900)
         assert read_reply(reader) == list(range(900, 1000))
-        deadline = time.monotonic() + 10
-        while pub._replay is not None and pub._replay.abandoned == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pub._replay is not None and (pub._replay.abandoned, len(pub._replay.replies)) == (1, 0)
+        assert outcomes(pub, abandoned=1) == {"completed": 1, "cut_short": 0, "abandoned": 1, "refused": 0}
         stalled.close(linger=0)
         reader.close(linger=0)
     finally:
