@@ -145,6 +145,27 @@ class Engine:
         dev = self.device
         self.impl.write(k.to(dev), None if v is None else v.to(dev), slots.to(dev), layer)
 
+    def save_slots(self, slots: torch.Tensor, layer: int) -> list[torch.Tensor]:
+        """What the pool holds at `slots` of `layer`, K and V (and FP8 scales): for restore_slots, which puts it
+        back when a write must be undone. Every pool tensor is [N+1, 2|1, L, P, ...]: each gives [T, 2|1, ...]."""
+        assert self._on_worker(), "device work runs on the engine's worker: use submit() or call()"
+        pages, offsets = self._pages_and_offsets(slots)
+        return [t[pages, :, layer, offsets] for t in self._pool_tensors()]
+
+    def restore_slots(self, slots: torch.Tensor, layer: int, saved: list[torch.Tensor]) -> None:
+        assert self._on_worker(), "device work runs on the engine's worker: use submit() or call()"
+        pages, offsets = self._pages_and_offsets(slots)
+        for t, old in zip(self._pool_tensors(), saved, strict=True):
+            t[pages, :, layer, offsets] = old
+
+    def _pool_tensors(self) -> list[torch.Tensor]:
+        return [self.blocks] if self.storage.scales is None else [self.blocks, self.storage.scales]
+
+    def _pages_and_offsets(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        page_size = self.blocks.shape[3]
+        slots = slots.to(self.device)
+        return slots // page_size, slots % page_size
+
     def attend(
         self,
         q: torch.Tensor,
