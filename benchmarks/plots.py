@@ -127,7 +127,13 @@ def tiers(result: Result, plt: Any) -> Any:
     ax = axes[0][0]
     names = [r["name"] for r in rows]
     xs = range(len(rows))
-    restore = ax.bar([x - 0.2 for x in xs], [r["restore_gbs"] for r in rows], 0.4, color=KVPOOL, label="restore")
+    restore = ax.bar(
+        [x - 0.2 for x in xs],
+        [r["restore_gbs"] for r in rows],
+        0.4,
+        color=KVPOOL,
+        label="restore (mean; %: median restore/ceiling pair)",
+    )
     ceilings = [r.get("reference_gbs", r["ceiling_gbs"]) for r in rows]
     ceiling = ax.bar([x + 0.2 for x in xs], ceilings, 0.4, color=CEILING, label="ceiling")
     shares = [r.get("of_reference", r["of_ceiling"]) for r in rows]
