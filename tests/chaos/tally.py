@@ -35,7 +35,7 @@ class Tally:
             row.held.append(held)
 
     def lines(self) -> list[str]:
-        out = [f"{"area":<26} {'requests':>9} {'malformed':>9} {'faults':>7} {'failures':>8}"]
+        out = [f"{'area':<26} {'requests':>9} {'malformed':>9} {'faults':>7} {'failures':>8}"]
         for name, a in self.areas.items():
             out.append(f"{name:<26} {a.requests:>9,} {a.malformed:>9,} {a.faults:>7,} {a.failures:>8,}")
         for name, a in self.areas.items():
