@@ -59,7 +59,7 @@ class LineServer:
         self.answer, self.max_connections = answer, max_connections
         self.line_timeout_s, self.max_line = line_timeout_s, max_line
         self.peers: OrderedDict[socket.socket, _Peer] = OrderedDict()  # oldest first = earliest deadline first
-        self.counts = {"served": 0, "shed": 0, "timed_out": 0, "too_long": 0}
+        self.counts = {"served": 0, "shed": 0, "timed_out": 0, "too_long": 0, "accept_failed": 0}
         self.selector = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -74,6 +74,7 @@ class LineServer:
             self._close_sockets()
             raise
         self._accept_paused_until = 0.0
+        self._at_limit = False
         self._stop = False
         self.thread = threading.Thread(target=self._serve, name="kvpool-ipc-socket", daemon=True)
         self.thread.start()
@@ -113,10 +114,14 @@ class LineServer:
         for _ in range(ACCEPT_BATCH):
             try:
                 conn, _ = self.listener.accept()
-            except BlockingIOError:
+            except BlockingIOError:  # the backlog is drained: an incident at the open-file limit is over
+                self._at_limit = False
                 return
             except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: stop accepting a moment rather than spin
-                log.warning("the IPC socket cannot accept connections for now: %s", exc)
+                self.counts["accept_failed"] += 1
+                if not self._at_limit:  # logged once per incident
+                    log.warning("the IPC socket cannot accept connections for now: %s", exc)
+                self._at_limit = True
                 self.selector.unregister(self.listener)
                 self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
                 return
@@ -144,8 +149,8 @@ class LineServer:
         if end >= 0 or not chunk:  # a whole line, or the peer's EOF ends it
             line = peer.buffer if end < 0 else peer.buffer[:end]
             if len(line) <= self.max_line:
-                self._finish(conn, *self._answer(line))
                 self.counts["served"] += 1
+                self._finish(conn, *self._answer(line))
                 return
         if len(peer.buffer) > self.max_line:
             self.counts["too_long"] += 1
