@@ -11,7 +11,8 @@ shift
 mkdir -p "$out"
 log="$out/log.txt"
 began=$(date +%s)
-if ls .whl/*.whl >/dev/null 2>&1; then
+# (Only where kvpool's dependencies are missing: here, or in CI, they are installed and .whl/ is not for this Python.)
+if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c 'import fastapi, uvicorn, pydantic_settings' 2>/dev/null; then
     site=/tmp/kvpool-gpu-site
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
         >>"$log" 2>&1 || { echo "run.sh: the carried wheels did not install (see $log)"; exit 3; }
