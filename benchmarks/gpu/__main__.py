@@ -6,9 +6,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.gpu.report import Report
+
+if TYPE_CHECKING:  # torch is imported after --dry-run has set TRITON_INTERPRET
+    import torch
 
 PARTS = ["env", "kernels", "figures", "service", "pytest"]
 # Seconds a part needs on an H100/H200 for it to start at all (the rest of the budget is the guard's).
@@ -34,11 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     report.say(f"benchmarks.gpu on {device} ({'dry run' if args.dry_run else 'GPU run'}), budget {args.budget_s:.0f} s")
     try:
         for name in args.parts:
-            run_part(report, name, lambda name=name: part_function(name)(report, device))
+            run_part(report, name, partial(run_named, name, report, device))
     finally:
         report.close()
     summary(report)
     return 1 if report.data["failed_checks"] else 0
+
+
+def run_named(name: str, report: Report, device: "torch.device") -> None:
+    part_function(name)(report, device)
 
 
 def part_function(name: str) -> Callable[..., None]:

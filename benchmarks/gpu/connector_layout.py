@@ -8,10 +8,12 @@ save waits for an event recorded after that "forward", as the connector's worker
 (vllm_worker.wait_for_save); the load must be complete before the next forward reads. Both exact.
 """
 
+from functools import partial
+
 import torch
 
 from benchmarks.gpu.report import Report
-from service.integrations.vllm_copy import KVCopier
+from service.integrations.vllm_copy import KVCopier, Writer
 from service.integrations.vllm_layout import Layout
 
 PART = "service"
@@ -50,7 +52,7 @@ def layout_checks(report: Report, device: torch.device) -> None:
         forward_done = torch.cuda.Event() if forward is not None else None
         if forward_done is not None:
             forward_done.record(forward)
-    writers = {i: (lambda key, value, s, c=cache: do_kv_cache_update(c, key, value, s)) for i, cache in enumerate(caches)}
+    writers: dict[int, Writer] = {i: partial(do_kv_cache_update, cache) for i, cache in enumerate(caches)}
     copier = KVCopier(dict(enumerate(caches)), writers, block, layout=Layout.TOKEN_KV)
     if forward_done is not None:
         torch.cuda.current_stream(device).wait_event(forward_done)
@@ -65,11 +67,17 @@ def layout_checks(report: Report, device: torch.device) -> None:
         cache.fill_(-3072.0)  # poison, then load back into the same blocks
     copier.load(pool, pages, block_ids, 0, end)
     loaded = all(
-        torch.equal(cache.transpose(1, 2)[slots[:end] // block, slots[:end] % block], torch.cat([k[i, :end], v[i, :end]], -1))
+        torch.equal(
+            cache.transpose(1, 2)[slots[:end] // block, slots[:end] % block], torch.cat([k[i, :end], v[i, :end]], -1)
+        )
         for i, cache in enumerate(caches)
     )
-    untouched = all(bool((cache.transpose(1, 2)[slots[end:] // block, slots[end:] % block] == -3072.0).all()) for cache in caches)
-    report.check(PART, "connector load into poisoned LBNHC caches exact, nothing past the saved tokens", loaded and untouched)
+    untouched = all(
+        bool((cache.transpose(1, 2)[slots[end:] // block, slots[end:] % block] == -3072.0).all()) for cache in caches
+    )
+    report.check(
+        PART, "connector load into poisoned LBNHC caches exact, nothing past the saved tokens", loaded and untouched
+    )
 
 
 class _nothing:

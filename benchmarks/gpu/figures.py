@@ -49,7 +49,9 @@ def run(report: Report, device: torch.device) -> None:
         report.target(f"{name}: % of copy bandwidth", num(r["pct_copy"]), ">=", 80, "%")
         peers = [v for v in (num(r["sdpa_us"]), num(fi)) if v is not None]
         ratio = min(peers) / r["us"] if peers and num(r["us"]) else None
-        report.target(f"{name}: fastest peer's time / ours (SDPA without its gather, FlashInfer)", ratio, ">=", 1.0, "x")
+        report.target(
+            f"{name}: fastest peer's time / ours (SDPA without its gather, FlashInfer)", ratio, ">=", 1.0, "x"
+        )
     for batch in (1, 2) if dry else (1, 2, 4, 8):
         r = bench.decode_row(batch, split_ctx, DECODE_PAGES[0], copy, device, timer)
         name = f"split-KV decode B={batch} ctx={split_ctx} page={DECODE_PAGES[0]}"

@@ -32,7 +32,11 @@ def pytest_run(report: Report, name: str, args: list[str], env: dict[str, str], 
         tail, rc = str(exc.stdout or "")[-4000:], -1
     report.say(tail)
     counts = junit_counts(xml)
-    ok = rc in (0, 5 if "--collect-only" in args else 0) and counts.get("failures", 0) == 0 and counts.get("errors", 0) == 0
+    ok = (
+        rc in (0, 5 if "--collect-only" in args else 0)
+        and counts.get("failures", 0) == 0
+        and counts.get("errors", 0) == 0
+    )
     report.check(PART, f"{name}: pytest exit {rc}", ok, **counts)
 
 

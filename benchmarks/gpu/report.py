@@ -12,7 +12,7 @@ class Report:
     def __init__(self, outdir: Path, budget_s: float, dry_run: bool) -> None:
         outdir.mkdir(parents=True, exist_ok=True)
         self.path = outdir / "results.json"
-        self.log: TextIO = open(outdir / "log.txt", "a")  # noqa: SIM115 (closed by close())
+        self.log: TextIO = open(outdir / "log.txt", "a")  # closed by close()
         self.deadline = time.monotonic() + budget_s
         self.dry_run = dry_run
         self.data: dict[str, Any] = {

@@ -15,16 +15,17 @@ inputs; stores bit for bit, except FP8 values within e4m3's rounding of the refe
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
 
 import torch
 
-from benchmarks.gpu.cases import Batch, fp8_scales, paged_batch, query_split, rel_error
+from benchmarks.gpu.cases import fp8_scales, paged_batch, query_split, rel_error
 from benchmarks.gpu.report import Report
+from kernels.options import AttendOptions
 
 TOL = 1e-2
 BF16, FP16 = torch.bfloat16, torch.float16
-WINDOW_SOFTCAP = {"sliding_window": 1000, "softcap": 30.0}
+WINDOW_SOFTCAP: AttendOptions = {"sliding_window": 1000, "softcap": 30.0}
 
 
 @dataclass
@@ -48,8 +49,8 @@ def gpu_scale(page: int) -> dict[str, list[int]]:
 
 def dry_scale(page: int) -> dict[str, list[int]]:
     gen = torch.Generator().manual_seed(page)
-    return {"ragged": [1, page - 1, page, page + 1, 2 * page + 3], "wide": torch.randint(1, 9, (6,), generator=gen).tolist(),
-            "long": [5 * page + 1]}  # fmt: skip
+    wide = torch.randint(1, 9, (6,), generator=gen).tolist()
+    return {"ragged": [1, page - 1, page, page + 1, 2 * page + 3], "wide": wide, "long": [5 * page + 1]}
 
 
 GPU = Scale((16, 64, 128), ((32, 8), (8, 8), (64, 8)), (64, 128, 256), {}, [1, 15, 16, 17, 100, 513, 1000, 2048],
@@ -90,7 +91,7 @@ class Sweep:
             b = paged_batch(lengths, page, hkv, d, dtype, self.device, seed=len(lengths) + page + d)
             cache = torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device=self.device)
             q = self.q(len(lengths), hq, d, dtype, seed=d)
-            runs: list[tuple[dict[str, Any], int | None]] = [({}, None)]
+            runs: list[tuple[AttendOptions, int | None]] = [({}, None)]
             if bname == "ragged":
                 runs += [(WINDOW_SOFTCAP, None), ({}, 16), ({}, 1)]  # forced split counts: 16 and none
             for options, splits in runs:
@@ -112,7 +113,8 @@ class Sweep:
             new = (self.s.new_tokens * len(lengths))[: len(lengths)]
             cache, qsl, _ = query_split(lengths, new, self.device)
             q = self.q(int(qsl[-1]), hq, d, dtype, seed=d + 1)
-            for options in [{}, WINDOW_SOFTCAP] if bname == "ragged" else [{}]:
+            option_sets: list[AttendOptions] = [{}, WINDOW_SOFTCAP] if bname == "ragged" else [{}]
+            for options in option_sets:
                 out = torch.full_like(q, float("nan"))
                 lse = torch.full(q.shape[:2], float("nan"), device=self.device)
                 paged_prefill(q, b.blocks, 0, b.lookup_table, cache, qsl, return_lse=True, out=out, lse=lse, **options)
@@ -133,7 +135,7 @@ class Sweep:
             for what, new in (("decode", [1] * len(lengths)), ("prefill", self.s.new_tokens)):
                 cache, qsl, max_q = query_split(lengths, (new * len(lengths))[: len(lengths)], self.device)
                 q = self.q(int(qsl[-1]), hq, d, BF16, seed=d + 2)
-                options = WINDOW_SOFTCAP if what == "prefill" else {}
+                options: AttendOptions = WINDOW_SOFTCAP if what == "prefill" else {}
                 out = torch.full_like(q, float("nan"))
                 paged_attention_fp8(q, b.blocks, scales, 0, b.lookup_table, cache, qsl, max_q_len=max_q, out=out,
                                     **options)  # fmt: skip
@@ -196,7 +198,9 @@ class Sweep:
         mla_slots = lat.slots[: len(slots)]
         store_latent(got, latent, mla_slots, layer=0)
         store_latent_ref(want, latent, mla_slots, layer=0)
-        self.record("store latent", f"page={page} T={len(slots)} bit for bit", 0.0 if torch.equal(got, want) else float("inf"))
+        self.record(
+            "store latent", f"page={page} T={len(slots)} bit for bit", 0.0 if torch.equal(got, want) else float("inf")
+        )
 
 
 def _name(dtype: torch.dtype, page: int, hq: int, hkv: int, d: int) -> str:
@@ -208,14 +212,14 @@ def run(report: Report, device: torch.device) -> None:
     sweep = Sweep(report, device, scale)
     steps: list[tuple[str, Callable[[], None]]] = []
     for dtype, page, hq, hkv, d in configs(scale):
-        steps.append((f"stores {_name(dtype, page, hq, hkv, d)}", lambda a=(dtype, page, hkv, d): sweep.stores(*a)))
-        steps.append(("decode", lambda a=(dtype, page, hq, hkv, d): sweep.decode(*a)))
-        steps.append(("prefill", lambda a=(dtype, page, hq, hkv, d): sweep.prefill(*a)))
+        steps.append((f"stores {_name(dtype, page, hq, hkv, d)}", partial(sweep.stores, dtype, page, hkv, d)))
+        steps.append(("decode", partial(sweep.decode, dtype, page, hq, hkv, d)))
+        steps.append(("prefill", partial(sweep.prefill, dtype, page, hq, hkv, d)))
         if dtype == BF16:
-            steps.append(("attention fp8", lambda a=(page, hq, hkv, d): sweep.attention_fp8(*a)))
+            steps.append(("attention fp8", partial(sweep.attention_fp8, page, hq, hkv, d)))
     for page in scale.pages:
         for hq in scale.mla[2]:
-            steps.append(("mla", lambda a=(page, hq): sweep.mla(*a)))
+            steps.append(("mla", partial(sweep.mla, page, hq)))
     for what, step in steps:
         if report.left_s() < 30 and not report.dry_run:
             report.check("kernels", f"sweep cut short by the time guard before {what}", False)
