@@ -17,6 +17,11 @@ if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c 'import fastapi, uvicorn, pydan
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
         >>"$log" 2>&1 || { echo "run.sh: the carried wheels did not install (see $log)"; exit 3; }
     export PYTHONPATH="$PWD:$site" KVPOOL_GPU_SITE="$site"
+    # Subprocesses that set PYTHONPATH themselves (the tests' `kvpool serve`) find the wheels too: a .pth in the
+    # interpreter's site-packages puts them first on sys.path, as PYTHONPATH would.
+    purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "import sys; sys.path.insert(0, '$site')" >"$purelib/kvpool_gpu_site.pth" 2>>"$log" ||
+        echo "run.sh: $purelib is read-only: servers started with their own PYTHONPATH will lack the wheels" | tee -a "$log"
 else
     export PYTHONPATH="$PWD"
 fi
