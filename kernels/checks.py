@@ -159,3 +159,28 @@ def kernel_options(options: AttendOptions, head_dim: int, no_window: int) -> tup
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0, not {softcap}")
     return float(scale), float(softcap or 1.0), min(sliding_window or no_window, no_window), bool(softcap)
+
+
+def ragged_output(
+    q: torch.Tensor,
+    lookup_table: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor | None,
+    width: int,
+    max_q_len: int | None,
+) -> tuple[torch.Tensor, int, int]:
+    """The FP8 and MLA kernels' batch checks (asserts: only the engine calls them, past its own checks) and
+    their output [T, Hq, width] in q's dtype: (out, batch, longest q_len), the last 0 when nothing is to run.
+    The longest q_len is computed from query_start_loc where not given, which syncs."""
+    batch = cache_lengths.shape[0]
+    assert query_start_loc.shape == (batch + 1,) and lookup_table.shape[0] == batch
+    expected = (q.shape[0], q.shape[1], width)
+    if out is None:
+        out = torch.empty(expected, dtype=q.dtype, device=q.device)
+    assert out.shape == expected and out.dtype == q.dtype and out.stride(-1) == 1
+    if batch == 0 or q.shape[0] == 0:
+        return out, batch, 0
+    if max_q_len is None:
+        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    return out, batch, max_q_len

@@ -45,8 +45,11 @@ def layout_checks(report: Report, device: torch.device) -> None:
     k = torch.randn(layers, tokens, heads, d, device=device)
     v = torch.randn(layers, tokens, heads, d, device=device)
     with torch.cuda.stream(forward) if forward is not None else _nothing():
-        if forward is not None:
-            torch.cuda._sleep(20_000_000)  # the forward is still running when the save is queued
+        if forward is not None:  # the "forward" is still running when the save is queued: ~30 ms of matmuls
+            busy = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+            product = torch.empty_like(busy)
+            for _ in range(200):
+                torch.mm(busy, busy, out=product)
         for layer in range(layers):
             do_kv_cache_update(caches[layer], k[layer], v[layer], slots)
         forward_done = torch.cuda.Event() if forward is not None else None
