@@ -1,8 +1,9 @@
-"""`pytest -m gpu` (every test marked gpu), then the tests of the CPU suite that run on the GPU machine, in
-what the time guard leaves. Counts from pytest's JUnit XML; the tails of both runs go to the log.
+"""`pytest -m gpu` (every test marked gpu), then the rest of the suite that runs on the GPU machine, in what
+the time guard leaves. Counts from pytest's JUnit XML; the tails of the runs go to the log.
 
-The second run sets TRITON_INTERPRET=1 itself: tests/conftest.py sets it only where CUDA is absent, and the
-CPU tests run their kernels on CPU tensors. Directories whose tests need what does not travel (vLLM,
+tests/kernels' small tests run their kernels compiled on the GPU where there is one (tests/kernels/paged_data.py);
+the other directories run with TRITON_INTERPRET=1 set here, as tests/conftest.py sets it where CUDA is absent
+(their CPU pools run the kernels on CPU tensors). Directories whose tests need what does not travel (vLLM,
 deploy tooling) are left out. The dry run only collects the gpu tests (here they would all skip).
 """
 
@@ -18,7 +19,7 @@ from benchmarks.gpu.report import Report
 
 PART = "pytest"
 DRY_COLLECT = ["tests/tiers/test_tiers_cuda.py"]  # quick to collect, with gpu tests
-CPU_SUITE = ["tests/kernels", "tests/core", "tests/engine", "tests/ipc", "tests/tiers", "tests/server", "tests/client"]
+CPU_SUITE = ["tests/core", "tests/engine", "tests/ipc", "tests/tiers", "tests/server", "tests/client"]
 
 
 def pytest_run(report: Report, name: str, args: list[str], env: dict[str, str], timeout_s: float) -> None:
@@ -59,9 +60,14 @@ def run(report: Report, device: torch.device) -> None:
     if left < 30:
         report.say(f"  the CPU suite: not run, {left:.0f} s left")
         return
-    env["TRITON_INTERPRET"] = "1"
     xdist = ["-n", "12"] if _has("xdist") else []
-    pytest_run(report, "cpu_suite", ["-m", "not gpu", "-x", *xdist, *CPU_SUITE], env, left)
+    pytest_run(report, "kernels_compiled", ["-m", "not gpu", *xdist, "tests/kernels"], env, left / 2)
+    left = report.left_s() - 15
+    if left < 30:
+        report.say(f"  the CPU suite: not run, {left:.0f} s left")
+        return
+    env["TRITON_INTERPRET"] = "1"
+    pytest_run(report, "cpu_suite", ["-m", "not gpu", *xdist, *CPU_SUITE], env, left)
 
 
 def _has(module: str) -> bool:

@@ -13,6 +13,7 @@ class Report:
         outdir.mkdir(parents=True, exist_ok=True)
         self.path = outdir / "results.json"
         self.log: TextIO = open(outdir / "log.txt", "a")  # closed by close()
+        self.budget_s = budget_s
         self.deadline = time.monotonic() + budget_s
         self.dry_run = dry_run
         self.data: dict[str, Any] = {

@@ -115,9 +115,9 @@ def ipc_checks(report: Report, device: torch.device) -> None:
     batch, ctx, hq, hkv, dim = (32, 4096, 32, 8, 128) if not report.dry_run else (4, 40, 4, 2, 16)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pages = batch * -(-ctx // 16) + 16
-    env = server_env(device, KVPOOL_NUM_LAYERS="1", KVPOOL_NUM_KV_HEADS=str(hkv), KVPOOL_HEAD_DIM=str(dim),
-                     KVPOOL_PAGE_SIZE="16", KVPOOL_NUM_PAGES=str(pages), KVPOOL_DTYPE=str(dtype).removeprefix("torch."),
-                     KVPOOL_MAX_ATTEND_TOKENS="65536")  # fmt: skip
+    geometry = {"KVPOOL_NUM_LAYERS": "1", "KVPOOL_NUM_KV_HEADS": str(hkv), "KVPOOL_HEAD_DIM": str(dim)}
+    geometry |= {"KVPOOL_PAGE_SIZE": "16", "KVPOOL_NUM_PAGES": str(pages), "KVPOOL_DTYPE": str(dtype)[len("torch.") :]}
+    env = server_env(device, **geometry)
     server = Server(env)
     try:
         with KVPoolClient(server.url) as c:
