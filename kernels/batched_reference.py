@@ -1,8 +1,8 @@
 """The CPU serving path: decode attention as one set of torch ops for the whole batch, and K/V stores.
 
 `paged_attention_ref` loops over the sequences, a dozen small torch ops each; on the CPU the op
-overhead, not the arithmetic, is the cost of a decode step (`kvpool bench http`: ~1 ms of server CPU
-for an attend over 4 sequences). Here the batch's pages are gathered at once, padded to the longest
+overhead, not the arithmetic, is the cost of a decode step (`kvpool bench http`; docs/benchmarks.md,
+"Figures behind the code"). Here the batch's pages are gathered at once, padded to the longest
 sequence, and the padding masked out; prefill batches (several queries per sequence) still go through
 the per-sequence reference. Same conventions and results as kernels/reference.py (attention to
 rounding, stores exactly).

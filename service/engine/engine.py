@@ -15,9 +15,8 @@ Decisions:
 - Small jobs run at once, on the event loop, when nothing is queued or running on the worker
   (`submit(job, inline=engine.fits_inline(flops, nbytes))`): a decode attention of a few sequences, a
   K/V write of a few tokens, a page copy. Under load the hop to the worker and back, and the two
-  threads taking turns at the GIL, cost far more than such a job: `kvpool bench http` (32 clients, 2
-  cores) gave 3,578 requests/s with attend p50 36 ms with every job on the worker, 5,591 requests/s and
-  p99 11 ms with small jobs inline. Running one only when the worker is idle keeps the FIFO order
+  threads taking turns at the GIL, cost far more than such a job (`kvpool bench http`: measured in
+  docs/benchmarks.md, "Figures behind the code"). Running one only when the worker is idle keeps the FIFO order
   (nothing is ahead of it), and the bounds keep the loop's stall to about a millisecond; anything
   larger (a long prefill, a big write) goes to the worker, so /healthz never waits for it.
 - A submitted job always runs, even if its caller is cancelled (a client that disconnects): the core
