@@ -8,6 +8,7 @@ import shutil
 import torch
 
 from benchmarks.gpu.report import Report
+from benchmarks.report import machine
 
 PACKAGES = ["torch", "triton", "numpy", "fastapi", "starlette", "uvicorn", "pydantic", "httpx", "redis", "pytest"]
 
@@ -15,7 +16,7 @@ PACKAGES = ["torch", "triton", "numpy", "fastapi", "starlette", "uvicorn", "pyda
 def run(report: Report, device: torch.device) -> None:
     import service.core
 
-    env: dict[str, object] = {"python": platform.python_version(), "device": str(device)}
+    env: dict[str, object] = {"python": platform.python_version(), "device": str(device), "machine": machine()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env |= {"card": props.name, "sms": props.multi_processor_count, "memory_GiB": round(props.total_memory / 2**30)}
