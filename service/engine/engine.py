@@ -36,7 +36,8 @@ from typing import TypeVar, Unpack
 
 import torch
 
-from service.engine.backends import AttendOptions, Backend, select_backend
+from kernels.options import AttendOptions
+from service.engine.backends import Backend, select_backend
 from service.engine.storage import Storage
 
 T = TypeVar("T")
@@ -176,7 +177,7 @@ class Engine:
     ) -> torch.Tensor:
         """q: [T, Hq, D] -> [T, Hq, D] in q's dtype, on the pool's device ([T, Hq, kv_lora_rank] for MLA).
 
-        options: scale, sliding_window, softcap (see backends.AttendOptions).
+        options: scale, sliding_window, softcap (see kernels.options.AttendOptions).
         """
         assert self._on_worker(), "device work runs on the engine's worker: use submit() or call()"
         dev = self.device
