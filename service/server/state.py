@@ -57,7 +57,9 @@ class PoolState:
         if self.storage.kind == "memfd" and self.ipc_socket is None:
             fds, keys = self.storage.shared_fds()
             parent = self.settings.ipc_socket_dir or None
-            self.ipc_socket = FdServer(fds, keys, self.instance_id, authorize, parent)
+            # The whole request line within the HTTP head's deadline (it is this socket's head).
+            line_timeout_s = self.settings.request_head_timeout_s
+            self.ipc_socket = FdServer(fds, keys, self.instance_id, authorize, parent, line_timeout_s=line_timeout_s)
 
     def ipc_description(self) -> dict[str, Any]:
         """GET /v1/ipc: the storage's exports, the instance, and for memfd pools the socket to ask."""
