@@ -120,30 +120,50 @@ def run_format(args: argparse.Namespace) -> None:
 
 
 class Server:
-    """A vLLM OpenAI server (its own process and its engine core's), the connector in `kv_role` or none."""
+    """A vLLM OpenAI server (its own process and its engine core's) on the CPU, with the connector in `kv_role`
+    (or none); the tests' P/D servers too."""
 
     def __init__(
-        self, model: str, kvpool_url: str | None, kv_role: str | None, dtype: str, port: int, log: Path
-    ) -> None:
+        self, model: str, kvpool_url: str | None, kv_role: str | None, dtype: str, port: int, log: Path,
+        max_model_len: int = 4096, kv_cache_bytes: int = 1 << 30, wait: bool = True,
+    ) -> None:  # fmt: skip
+        """wait=False: started only (servers start side by side); wait_ready() then."""
         self.url = f"http://127.0.0.1:{port}"
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--skip-tokenizer-init", "--dtype", dtype, "--enforce-eager", "--block-size", "32",
-            "--max-model-len", "4096", "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(1 << 30),
-            "--enable-prompt-tokens-details",
+            "--max-model-len", str(max_model_len), "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
+            str(kv_cache_bytes), "--enable-prompt-tokens-details",
         ]  # fmt: skip
         if kv_role is not None:
             transfer = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "service.integrations.vllm",
                         "kv_role": kv_role, "kv_connector_extra_config": {"kvpool_url": kvpool_url}}  # fmt: skip
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        self.log_path = log
         self.log = log.open("w")
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **FIXED_MALLOC}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_ready(f"{self.url}/health", self.proc)
+        self.kv_role = kv_role
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        try:
+            wait_ready(f"{self.url}/health", self.proc)
+        except RuntimeError:
+            self.close()
+            raise RuntimeError(
+                f"the {self.kv_role} server did not start:\n{self.log_path.read_text()[-3000:]}"
+            ) from None
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self.log.close()
 
 
@@ -158,7 +178,9 @@ def run_pd(args: argparse.Namespace) -> None:
         try:
             for i, role in enumerate(("kv_producer", "kv_consumer", None)):
                 port = 19000 + os.getpid() % 900 + i
-                servers.append(Server(model, url, role, args.dtype, port, Path(tmp) / f"{role}.log"))
+                servers.append(Server(model, url, role, args.dtype, port, Path(tmp) / f"{role}.log", wait=False))
+            for server in servers:
+                server.wait_ready()
             producer, consumer, alone = servers
             body: dict[str, Any] = {"model": model, "max_tokens": args.new, "temperature": 0.0, "ignore_eos": True}
             body["return_token_ids"] = True

@@ -14,7 +14,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.integrations.test_vllm import Engine, KVPool, tokens
+from tests.integrations.test_vllm import Engine, KVPool, model_dir, tokens
+
+__all__ = ["model_dir"]  # the tiny Llama fixture of test_vllm.py, shared
 
 PROMPT = tokens(11, 128)  # 8 pages of 16, 4 blocks of 32: a repeat caches 127
 OTHER = tokens(12, 100)  # 6 full pages and a partial one (never committed): caches 96
@@ -36,21 +38,6 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     )  # fmt: skip
     path = tmp_path_factory.mktemp("tiny-deepseek")
     DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def llama_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, torch_dtype="float32",
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny-llama-fp8")
-    LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
 
 
@@ -113,23 +100,23 @@ def test_mla_model_shares_its_latents(mla_model: str, tmp_path: Path) -> None:
     assert (info["pages_used"], info["num_sequences"]) == (0, 0)
 
 
-def test_fp8_e5m2_cache_is_stored_as_it_is(llama_model: str, tmp_path: Path) -> None:
-    pool = KVPool(llama_model, 16, KVPOOL_DTYPE="float8_e5m2", KVPOOL_QUANT_GRANULARITY="32")
+def test_fp8_e5m2_cache_is_stored_as_it_is(model_dir: str, tmp_path: Path) -> None:
+    pool = KVPool(model_dir, 16, KVPOOL_DTYPE="float8_e5m2", KVPOOL_QUANT_GRANULARITY="32")
     try:
-        check_format(llama_model, pool, tmp_path, kv_cache_dtype="fp8_e5m2")
+        check_format(model_dir, pool, tmp_path, kv_cache_dtype="fp8_e5m2")
         info = pool.pool()
     finally:
         pool.stop()
     assert (info["dtype"], info["scale_dtype"]) == ("float8_e5m2", "float32")
 
 
-def test_fp8_e4m3_and_fp8_share_one_pool(llama_model: str, tmp_path: Path) -> None:
+def test_fp8_e4m3_and_fp8_share_one_pool(model_dir: str, tmp_path: Path) -> None:
     """vLLM's "fp8" is e4m3: a fresh engine with it loads what fp8_e4m3 engines saved. (The reference tokens are
     the saving engine's on its misses, when it loaded nothing: vLLM alone's equality is the e5m2 test's.)"""
-    pool = KVPool(llama_model, 16, KVPOOL_DTYPE="float8_e4m3fn", KVPOOL_QUANT_GRANULARITY="32")
+    pool = KVPool(model_dir, 16, KVPOOL_DTYPE="float8_e4m3fn", KVPOOL_QUANT_GRANULARITY="32")
     try:
-        reference = check_format(llama_model, pool, tmp_path, alone=False, kv_cache_dtype="fp8_e4m3")
-        fp8 = run(llama_model, tmp_path / "fp8.log", [PROMPT, OTHER], url=pool.url, kv_cache_dtype="fp8")
+        reference = check_format(model_dir, pool, tmp_path, alone=False, kv_cache_dtype="fp8_e4m3")
+        fp8 = run(model_dir, tmp_path / "fp8.log", [PROMPT, OTHER], url=pool.url, kv_cache_dtype="fp8")
         info = pool.pool()
     finally:
         pool.stop()
@@ -137,11 +124,11 @@ def test_fp8_e4m3_and_fp8_share_one_pool(llama_model: str, tmp_path: Path) -> No
     assert (info["dtype"], info["scale_dtype"]) == ("float8_e4m3fn", "float32")
 
 
-def test_a_pool_of_another_format_is_refused(llama_model: str, tmp_path: Path) -> None:
-    pool = KVPool(llama_model, 16)  # float32: the model's own dtype, not the FP8 cache's
+def test_a_pool_of_another_format_is_refused(model_dir: str, tmp_path: Path) -> None:
+    pool = KVPool(model_dir, 16)  # float32: the model's own dtype, not the FP8 cache's
     try:
         with pytest.raises(RuntimeError) as excinfo:
-            Engine(llama_model, pool.url, tmp_path / "refused.log", kv_cache_dtype="fp8_e5m2")
+            Engine(model_dir, pool.url, tmp_path / "refused.log", kv_cache_dtype="fp8_e5m2")
     finally:
         pool.stop()
     message = str(excinfo.value) + (tmp_path / "refused.log").read_text()

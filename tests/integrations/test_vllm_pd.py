@@ -8,7 +8,6 @@ recompute): 20 requests in a row, each answered as soon as the one before. The t
 alone's (tests/integrations/test_vllm.py's harness).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -22,67 +21,27 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from benchmarks.vllm_formats import Server
 from tests.conftest import REPO, free_port
-from tests.integrations.test_vllm import BLOCK, Engine, KVPool, model_dir, tokens
+from tests.integrations.test_vllm import Engine, KVPool, model_dir, tokens
 
 __all__ = ["model_dir"]  # the tiny Llama fixture of test_vllm.py, shared
 NUM_REQUESTS = 20
 NEW_TOKENS = 8
 
 
-class OpenAIServer:
-    """`python -m vllm.entrypoints.openai.api_server` with the connector in `kv_role`."""
-
-    def __init__(self, model: str, kvpool_url: str, kv_role: str, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        transfer = {
-            "kv_connector": "KVPoolConnector", "kv_connector_module_path": "service.integrations.vllm",
-            "kv_role": kv_role, "kv_connector_extra_config": {"kvpool_url": kvpool_url},
-        }  # fmt: skip
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-            "--port", str(self.port), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
-            "--block-size", str(BLOCK), "--max-model-len", "1024", "--no-enable-prefix-caching",
-            "--kv-cache-memory-bytes", str(64 << 20), "--enable-prompt-tokens-details",
-            "--kv-transfer-config", json.dumps(transfer),
-        ]  # fmt: skip
-        self.log = log.open("w")
-        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the {kv_role} server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
 @pytest.fixture
 def pd(model_dir: str, tmp_path: Path) -> Iterator[tuple[KVPool, str]]:
     """kvpool, a producer, a consumer and the proxy in front of them (its URL)."""
     pool = KVPool(model_dir, 16)
-    servers: list[OpenAIServer] = []
+    servers: list[Server] = []
     proxy = None
     try:
         for role in ("kv_producer", "kv_consumer"):
-            servers.append(OpenAIServer(model_dir, pool.url, role, tmp_path / f"{role}.log"))
+            log = tmp_path / f"{role}.log"
+            servers.append(Server(model_dir, pool.url, role, "float32", free_port(), log, 1024, 64 << 20, wait=False))
+        for server in servers:  # both start side by side
+            server.wait_ready()
         port = free_port()
         proxy = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.pd_proxy", "--producer", servers[0].url, "--consumer", servers[1].url,
