@@ -29,8 +29,10 @@ the counters) and forwards each of vLLM's calls to its role's object: vllm_sched
 vLLM's block size and kvpool's page size are independent: vllm_copy moves runs of gcd(page, block)
 tokens, every layer in one compiled pass (torch ops where it is not built). A request's `cache_salt`
 salts kvpool's prefix hashes, so different salts never share pages. One worker (no tensor or
-pipeline parallelism), and the block layouts of vLLM's CPU attention and of its GPU backends (flash_attn,
-triton_attn, flashinfer: vllm_layout), are supported; others are refused at start. On a GPU the K/V moves
+pipeline parallelism). Block layouts: those of vLLM's CPU attention and of its GPU backends (flash_attn,
+triton_attn, flashinfer: vllm_layout, read through views), and any other a layer's writer stores as a
+permutation of its tokens' elements (vllm_blockmap, learned at start: vLLM's AMX blocks, FP8 caches, MLA
+latents); others are refused at start. On a GPU the K/V moves
 through torch ops (on the connector's thread, which waits for the device where the CPU path waits for its
 copies), and a CUDA pool (kvpool serving on the GPU) is mapped by CUDA IPC.
 """
