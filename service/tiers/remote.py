@@ -43,7 +43,7 @@ from redis.retry import Retry
 from service.config import Settings
 from service.core.tier_index import chain_hashes
 from service.tiers.cluster import ClusterReader, cluster_client, is_cluster_url
-from service.tiers.resp import REDIRECTED, RespConnection
+from service.tiers.resp import REDIRECTED, WRONG_TYPE, RespConnection
 from service.tiers.stats import TierStats
 
 MAGIC = b"kvpool-remote-v2"  # v2: XXH3-64 instead of zlib's CRC-32 (6.8 GB/s here: a fifth of a restore)
@@ -201,7 +201,7 @@ class RemoteStore:
                 redirected |= n == REDIRECTED
                 if intact:  # checked as it arrives, while it is in the cache
                     intact = n == value_nbytes and self._intact(header, checksum, pages[i], hashes[i], tokens[i])
-                    if not intact and n >= 0:
+                    if not intact and (n >= 0 or n == WRONG_TYPE):
                         self.stats.rejected += 1  # (a wrong size was not kept: read into a scratch buffer)
                     num += intact
             self.stats.errors += redirected
@@ -226,9 +226,13 @@ class RemoteStore:
             pipe = self.client().pipeline(transaction=False)
             for key in self._keys(hashes[start : start + batch]):
                 pipe.getex(key, ex=self.ttl_s)
-            values: list[bytes | None] = pipe.execute()
+            # A key of another type answers -WRONGTYPE: an error object among the values, a bad entry.
+            values: list[bytes | redis.ResponseError | None] = pipe.execute(raise_on_error=False)
             for i, value in enumerate(values, start):
-                data = decode_value(value, value_prefix(self.geometry, hashes[i], tokens[i]), self.page_nbytes)
+                if isinstance(value, redis.ResponseError) and not str(value).startswith("WRONGTYPE"):
+                    raise value
+                entry = value if isinstance(value, bytes) else None
+                data = decode_value(entry, value_prefix(self.geometry, hashes[i], tokens[i]), self.page_nbytes)
                 if data is None:
                     self.stats.rejected += value is not None
                     return num

@@ -129,3 +129,46 @@ def test_pages_come_back_whole_bit_for_bit_with_fp8_scales(redis_server: RedisSe
             state.close()
 
     asyncio.run(scenario())
+
+
+BAD_ENTRIES = {
+    "empty": lambda client, key, value: client.set(key, b""),
+    "truncated": lambda client, key, value: client.set(key, value[: len(value) // 2]),
+    "one byte short": lambda client, key, value: client.set(key, value[:-1]),
+    "a list": lambda client, key, value: (client.delete(key), client.rpush(key, value)),  # GETEX: -WRONGTYPE
+}
+
+
+@pytest.mark.parametrize("reader", ["resp", "redis-py"])
+@pytest.mark.parametrize("bad", BAD_ENTRIES)
+def test_a_bad_entry_of_any_shape_is_rejected_and_the_pages_before_it_come_back(
+    redis_server: RedisServer, bad: str, reader: str
+) -> None:
+    """Page 2 of 4 replaced by a bad entry: pages 0 and 1 come back, the bad one is counted as rejected
+    (not as a failure of the store), and the tier stays up for the next restore."""
+
+    async def scenario() -> None:
+        state = make_state(redis_server)
+        try:
+            assert state.tiers is not None and state.tiers.remote is not None
+            store, stats = state.tiers.remote.store, state.tiers.remote.stats
+            if reader == "redis-py":
+                store.reader = None
+            await written_then_evicted(state, redis_server)
+            hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
+            client, key = redis_server.client(), page_key(store.geometry, hashes[2])
+            BAD_ENTRIES[bad](client, key, client.get(key))
+            await state.tiers.restore([*prompt(1), 7], "", "")
+            a = state.allocator
+            assert (stats.hits, stats.rejected, stats.errors) == (2, 1, 0)
+            assert (a.num_used, a.num_cached, a.num_free) == (0, 2, 6)
+            assert not state.tiers.remote.incident.down
+            assert state.sequences.create("a2", [*prompt(1), 7]).cached_tokens == 8
+            state.sequences.free("a2")
+            client.delete(key)  # the entry gone: the next restore asks the store again and stops before it
+            await state.tiers.restore([*prompt(1), 7], "", "")
+            assert (stats.hits, stats.rejected, stats.errors, stats.misses) == (2, 1, 0, 1)
+        finally:
+            state.close()
+
+    asyncio.run(scenario())
