@@ -301,11 +301,13 @@ async def run(a: argparse.Namespace) -> None:
     cluster: RedisProcess | None = None
     directory = tempfile.mkdtemp(prefix="kvpool-bench-tiers-")
     try:
+        store_conf = dict(remote_url=store.url, remote_timeout_s=10.0)  # (a busy machine: no store timeouts)
         configs = {
             "host": dict(spill="host", spill_bytes=tier_bytes),
             "disk": dict(spill="disk", spill_bytes=tier_bytes, spill_path=directory),
-            "remote": dict(remote_url=store.url),
-            "remote-redispy": dict(remote_url=store.url),
+            "remote": store_conf,
+            "remote-redispy": store_conf,
+            "remote-mac": store_conf | dict(remote_secret="bench-secret-0123456789abcdef"),
             "remote-cluster": {},  # (a 3-node cluster, started below if asked for)
         }
         names = [n for n in a.tiers.split(",") if n]
@@ -313,7 +315,7 @@ async def run(a: argparse.Namespace) -> None:
             raise SystemExit(f"unknown tiers: {', '.join(sorted(unknown))}")
         if "remote-cluster" in names:
             cluster = RedisProcess(cluster_of=3)
-            configs["remote-cluster"] = dict(remote_url=cluster.url)
+            configs["remote-cluster"] = store_conf | dict(remote_url=cluster.url)
         value_nbytes = probe.page_nbytes + 150  # the remote value: the page, its token ids, a header
         ceilings = Ceilings(nbytes, directory, store.url, value_nbytes, pages_per_prefix)
         recompute_ms = a.prefix * PREFILL_MS_PER_TOKEN
@@ -330,6 +332,7 @@ async def run(a: argparse.Namespace) -> None:
         print("remote redis-py MGETs of the same value size; 'of ceiling': median ceiling time / restore time")
         head = f"{'restore ms':>11} {'GB/s':>6} {'ceiling ms':>11} {'of ceiling':>11} {'vs recompute':>13}"
         print(f"\n{'tier':14} {head}")
+        restore_ms: dict[str, float] = {}
         try:
             for name in names:
                 remote = name.startswith("remote")
@@ -355,9 +358,14 @@ async def run(a: argparse.Namespace) -> None:
                     ref_gbs = statistics.median(g for _, g in refs)
                     extra = f"   ({of_bench:.0%} of redis-benchmark at {ref_gbs:.2f} GB/s)"
                 print(f"{name:14} {figures} {speedup:12.1f}x{extra}")
+                restore_ms[name] = mean_ms(restore)
                 on.flush()
         finally:
             ceilings.close()
+        if "remote" in restore_ms and "remote-mac" in restore_ms:
+            cost = restore_ms["remote-mac"] / restore_ms["remote"] - 1
+            print(f"\nkeyed MAC (KVPOOL_REMOTE_SECRET, AES-GMAC) instead of the checksum: {cost:+.0%} of the remote")
+            print("  restore time (target: <= +10%)")
         if not a.requests:
             return
         print(f"\nhit rate, {a.requests} uniform draws among {a.prefixes} prefixes (device pool: {a.device_prefixes}):")

@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     tiers.add_argument("--quick", action="store_true", help="a smoke run: 2 layers, 512-token prefixes")
     tiers.add_argument(
         "--tiers",
-        default="host,disk,remote",
-        help="which to time, comma-separated: host, disk, remote, remote-redispy (its reads through redis-py), "
+        default="host,disk,remote,remote-mac",
+        help="which to time, comma-separated: host, disk, remote, remote-mac (its entries sealed by a keyed MAC: "
+        "KVPOOL_REMOTE_SECRET), remote-redispy (its reads through redis-py), "
         "remote-cluster (a 3-node Redis Cluster on loopback)",
     )
     tiers.set_defaults(func=lambda a: benchmark("tiers").main(a))

@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     remote_ttl_s: int = Field(3600, ge=1, description="TTL of each page written to the shared tier")
     remote_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False, description="per command to the store")
     remote_queue_pages: int = Field(4096, ge=1, description="pages queued for the shared tier; more are skipped")
+    remote_secret: SecretStr = Field(
+        SecretStr(""),
+        description="the shared tier's entries authenticated: a keyed MAC (AES-GMAC) with this secret (16 "
+        "characters at least; every node sharing the store sets the same) replaces the checksum, and only "
+        "entries made with it are loaded; empty: a checksum only (the store is trusted)",
+    )
 
     @model_validator(mode="after")
     def _check_tiers(self) -> "Settings":
@@ -79,6 +85,8 @@ class Settings(BaseSettings):
         schemes = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
         if self.remote_url and not self.remote_url.startswith(schemes):
             raise ValueError("KVPOOL_REMOTE_URL must be a redis://, rediss://, unix:// or redis+cluster:// URL")
+        if 0 < len(self.remote_secret.get_secret_value()) < 16:
+            raise ValueError("KVPOOL_REMOTE_SECRET must be 16 characters at least (e.g. `openssl rand -hex 32`)")
         if self.remote_url.startswith(schemes[3:]):
             from service.tiers.cluster import parse_cluster_url  # (imports redis-py: only when asked for)
 
@@ -110,6 +118,16 @@ class Settings(BaseSettings):
                 f"the pool would take {(self.num_pages + 1) * self.page_nbytes / 2**30:.0f} GiB, more than 1 TiB"
             )
         return self
+
+    @property
+    def geometry_tag(self) -> str:
+        """What must match for two pools to share pages, as a key part (e.g. L4.H2.D64.P16.float32)."""
+        tag = f"L{self.num_layers}.H{self.num_kv_heads}.D{self.head_dim}.P{self.page_size}.{self.dtype}"
+        if self.dtype == "float8_e4m3fn":
+            tag += f".g{self.quant_granularity}.{self.scale_dtype}"
+        if self.mla:
+            tag += f".mla{self.kv_lora_rank}"
+        return tag
 
     @property
     def page_nbytes(self) -> int:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from service.core.plan import checked_token_bytes
+from service.tiers.entries import EntryFormat, seal_for
 from service.tiers.local import DiskTier, HostTier, TierDataError
 from service.tiers.pages import PageCodec
 from service.tiers.remote import Chain, RemoteStore
@@ -56,7 +57,8 @@ class Tiers:
             self.local = DiskTier(self.codec, s.spill_bytes, s.spill_path, state.instance_id)
         self.remote: SharedTier | None = None
         if s.remote_url:
-            store = RemoteStore(s, self.codec.page_nbytes)
+            entries = EntryFormat(s.geometry_tag, seal_for(s.remote_secret.get_secret_value()))
+            store = RemoteStore(s.remote_url, s.remote_timeout_s, s.remote_ttl_s, entries, self.codec.page_nbytes)
             self.remote = SharedTier(store, self.engine, self.allocator, self.codec, s.remote_queue_pages)
         self._quiet = False  # committing restored pages: the store has them already
         # KV events (service/events/listener.EventListener, set by PoolState when they are on): the

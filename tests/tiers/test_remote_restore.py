@@ -13,7 +13,6 @@ from service.config import Settings
 from service.core.hashing import root_hash, token_bytes
 from service.core.tier_index import chain_hashes
 from service.server.state import PoolState
-from service.tiers.remote import encode_value, page_key, value_prefix
 from tests.tiers.conftest import RedisServer
 from tests.tiers.helpers import kv_of, prompt
 from tests.tiers.test_ordering import FORMATS, SMALL, write_prompt
@@ -42,10 +41,10 @@ def test_a_poisoned_page_cuts_the_restore_there(redis_server: RedisServer) -> No
         state = make_state(redis_server)
         try:
             await written_then_evicted(state, redis_server)
-            geometry = state.tiers.remote.store.geometry  # type: ignore[union-attr]
+            entries = state.tiers.remote.store.entries  # type: ignore[union-attr]
             hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
-            wrong = encode_value(value_prefix(geometry, hashes[2], token_bytes(prompt(2)[8:12])), bytes(1024))
-            redis_server.client().set(page_key(geometry, hashes[2]), wrong)  # page 2: another prompt's tokens
+            wrong = entries.encode(hashes[2], token_bytes(prompt(2)[8:12]), bytes(1024))
+            redis_server.client().set(entries.key(hashes[2]), wrong)  # page 2: another prompt's tokens
             assert state.tiers is not None
             await state.tiers.restore([*prompt(1), 7], "", "")
             a, stats = state.allocator, state.tiers.remote.stats  # type: ignore[union-attr]
@@ -156,7 +155,7 @@ def test_a_bad_entry_of_any_shape_is_rejected_and_the_pages_before_it_come_back(
                 store.reader = None
             await written_then_evicted(state, redis_server)
             hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
-            client, key = redis_server.client(), page_key(store.geometry, hashes[2])
+            client, key = redis_server.client(), store.entries.key(hashes[2])
             BAD_ENTRIES[bad](client, key, client.get(key))
             await state.tiers.restore([*prompt(1), 7], "", "")
             a = state.allocator
@@ -168,6 +167,57 @@ def test_a_bad_entry_of_any_shape_is_rejected_and_the_pages_before_it_come_back(
             client.delete(key)  # the entry gone: the next restore asks the store again and stops before it
             await state.tiers.restore([*prompt(1), 7], "", "")
             assert (stats.hits, stats.rejected, stats.errors, stats.misses) == (2, 1, 0, 1)
+        finally:
+            state.close()
+
+    asyncio.run(scenario())
+
+
+SECRET = "a9c3f1e07b2d4c58a9c3f1e07b2d4c58"
+
+
+@pytest.mark.parametrize("reader", ["resp", "redis-py"])
+def test_with_a_secret_only_entries_made_with_it_are_loaded(redis_server: RedisServer, reader: str) -> None:
+    """KVPOOL_REMOTE_SECRET: page 1 forged in the store (other K/V with the checksum recomputed as the
+    format says, or sealed with another secret) or changed under the tag the secret made is rejected,
+    each time; page 0 comes back bit for bit."""
+    from service.tiers.entries import Checksum, EntryFormat, KeyedMac
+
+    async def scenario() -> None:
+        state = make_state(redis_server, remote_secret=SECRET)
+        try:
+            assert state.tiers is not None and state.tiers.remote is not None
+            store, stats = state.tiers.remote.store, state.tiers.remote.stats
+            if reader == "redis-py":
+                store.reader = None
+            await written_then_evicted(state, redis_server)
+            hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
+            client, entries = redis_server.client(), store.entries
+            assert sorted(k.decode() for k in client.keys()) == sorted(entries.key(h) for h in hashes)
+            assert entries.key(hashes[0]).startswith("kvpool:v2m:")  # not where unsealed entries go
+            toks = [token_bytes(prompt(1)[j * 4 : (j + 1) * 4]) for j in range(4)]
+            forged = torch.randn(256, generator=torch.Generator().manual_seed(9)).numpy().tobytes()
+            plain = EntryFormat(entries.geometry, Checksum())  # the attacker's: the format, no secret
+            wrong_secret = EntryFormat(entries.geometry, KeyedMac(b"not the secret, 32 bytes long..."))
+            sealed = bytearray(client.get(entries.key(hashes[3])))  # type: ignore[arg-type]
+            sealed[-40] ^= 1  # a byte of the page, under the tag the secret made
+            attempts = [
+                plain.encode(hashes[1], toks[1], forged),
+                wrong_secret.encode(hashes[1], toks[1], forged),
+                bytes(sealed),
+            ]
+            rejected = 0
+            for attempt in attempts:
+                client.set(entries.key(hashes[1]), attempt)
+                await state.tiers.restore([*prompt(1), 7], "", "")
+                rejected += 1
+                assert (stats.rejected, stats.errors) == (rejected, 0)
+                seq = state.sequences.create("a2", [*prompt(1), 7])
+                assert seq.cached_tokens == 4  # page 0 only
+                k, v = kv_of(1, 16)
+                got = state.storage.blocks[torch.tensor(state.sequences.block_table(seq))]  # [1, 2, L, P, H, D]
+                assert torch.equal(got[0, 0], k[:, :4]) and torch.equal(got[0, 1], v[:, :4])
+                state.sequences.free("a2")
         finally:
             state.close()
 
