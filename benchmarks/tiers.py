@@ -27,8 +27,9 @@ import torch
 
 from service.cli import free_port
 from service.config import Settings
-from service.server.state import PoolState
-from service.tiers.local import DiskTier
+from service.pool import PoolState
+from service.tiers.disk import DiskTier
+from service.tiers.remote_tier import RemoteTier
 
 # Prefill of the vLLM benchmark's model on this machine (BENCHMARKS.md, "vLLM with kvpool's KV connector":
 # cold TTFT of 2,048 tokens 342-363 ms on an idle machine); linear in the prompt length at this size.
@@ -69,10 +70,7 @@ class Driver:
     async def lookup(self, i: int) -> tuple[str, int]:
         """POST /v1/sequences with prompt i's token ids: restore, create; returns (seq_id, cached_tokens)."""
         self.count += 1
-        tiers, tokens = self.state.tiers, self.prompt(i)
-        if tiers is not None:
-            await tiers.restore(tokens, "", "")
-        seq = self.state.sequences.create(f"w{self.count}", tokens)
+        seq = await self.state.create_sequence(f"w{self.count}", self.prompt(i), "", 0, "")
         return seq.seq_id, seq.cached_tokens
 
     async def written(self, store: "RedisProcess", num_keys: int) -> None:
@@ -90,9 +88,9 @@ class Driver:
 
     async def settle(self) -> None:
         await self.state.engine.submit(lambda: None)
-        local = self.state.tiers.local if self.state.tiers else None
-        if isinstance(local, DiskTier):
-            await asyncio.wrap_future(local.io.submit(lambda: None))
+        for tier in self.state.cache.tiers:
+            if isinstance(tier, DiskTier):
+                await asyncio.wrap_future(tier.io.submit(lambda: None))
         await asyncio.sleep(0.05)
 
 
@@ -129,7 +127,7 @@ async def restore_times(
     state.storage.blocks.zero_()  # fault the pool's pages in, as a server that has run a while has
     for i in range(a.repeat + 1):
         await d.write(i)
-        if state.tiers is not None and state.tiers.remote is not None:
+        if state.cache.tier("remote") is not None:
             await d.written(store, (i + 1) * (a.prefix // a.page_size))
         await d.evict_all()
         start = time.perf_counter()
@@ -338,8 +336,9 @@ async def run(a: argparse.Namespace) -> None:
                 remote = name.startswith("remote")
                 state = PoolState(settings(a, device_pages, **configs[name]))
                 if name == "remote-redispy":  # the same tier, its reads through redis-py (pipelined GETEX)
-                    assert state.tiers is not None and state.tiers.remote is not None
-                    state.tiers.remote.store.reader = None
+                    remote = state.cache.tier("remote")
+                    assert isinstance(remote, RemoteTier)
+                    remote.store.reader = None
                 try:
                     ceiling = getattr(ceilings, name.split("-")[0])
                     on = cluster if name == "remote-cluster" and cluster is not None else store

@@ -7,6 +7,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.hf_model import pool_geometry
+from service.remote_url import SCHEMES, is_cluster_url, parse_cluster_url
 from service.tenancy import parse_api_keys, parse_tenant_names
 from service.wire.dtypes import DTYPES, PoolDtype, ScaleDtype
 
@@ -82,14 +83,11 @@ class Settings(BaseSettings):
             raise ValueError("KVPOOL_SPILL=disk needs KVPOOL_SPILL_PATH, a directory for the spill file")
         if self.spill != "none" and self.spill_bytes < self.page_nbytes + 64:
             raise ValueError(f"KVPOOL_SPILL_BYTES={self.spill_bytes} holds no page of {self.page_nbytes} bytes")
-        schemes = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
-        if self.remote_url and not self.remote_url.startswith(schemes):
+        if self.remote_url and not self.remote_url.startswith(SCHEMES):
             raise ValueError("KVPOOL_REMOTE_URL must be a redis://, rediss://, unix:// or redis+cluster:// URL")
         if 0 < len(self.remote_secret.get_secret_value()) < 16:
             raise ValueError("KVPOOL_REMOTE_SECRET must be 16 characters at least (e.g. `openssl rand -hex 32`)")
-        if self.remote_url.startswith(schemes[3:]):
-            from service.tiers.cluster import parse_cluster_url  # (imports redis-py: only when asked for)
-
+        if is_cluster_url(self.remote_url):
             try:
                 parse_cluster_url(self.remote_url)
             except ValueError as exc:

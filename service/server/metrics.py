@@ -22,7 +22,7 @@ from service import __version__
 from service.server.route_match import match_path
 
 if TYPE_CHECKING:
-    from service.server.state import PoolState
+    from service.pool import PoolState
 
 # Request latencies on loopback run from ~100 µs (a probe) to seconds (a large attend on the CPU).
 REQUEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -71,8 +71,8 @@ class PoolCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
-        if state.tiers is not None:
-            yield from tier_metrics(state.tiers.report())
+        if state.cache.tiers:
+            yield from tier_metrics(state.cache.report())
         info = GaugeMetricFamily(
             "kvpool_info",
             "The pool's settings; always 1.",

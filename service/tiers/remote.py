@@ -18,7 +18,7 @@ come (receiving into them saves a copy of every byte, ~5 ms of a 64 MiB restore)
 and evicting device pages for, what the store does not hold. One connection on redis://, rediss:// (TLS)
 and unix:// URLs, one per node on
 redis[s]+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss:// with
-TLS options the reader does not handle (resp.TLS_OPTIONS) reads through redis-py's pipelines instead
+TLS options the reader does not handle (service.remote_url.TLS_OPTIONS) reads through redis-py's pipelines instead
 (slower: its parser copies each value). Each command
 is bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a failure is counted, the tier skipped for a second,
 and the next call reconnects. Needs Redis >= 6.2 (GETEX) or any Valkey.
@@ -34,7 +34,8 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from service.core.tier_index import chain_hashes
-from service.tiers.cluster import ClusterReader, cluster_client, is_cluster_url
+from service.remote_url import is_cluster_url
+from service.tiers.cluster import ClusterReader, cluster_client
 from service.tiers.entries import EntryFormat
 from service.tiers.resp import REDIRECTED, WRONG_TYPE, RespConnection
 from service.tiers.stats import TierStats

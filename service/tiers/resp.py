@@ -26,6 +26,8 @@ from typing import Any
 
 from redis.connection import SSLConnection, parse_url
 
+from service.remote_url import TLS_OPTIONS
+
 LINE_BUF = 1 << 16
 RECV_BUF = 8 << 20
 # Sizes read_value returns besides a value's length: no such key; the key's slot is on another node
@@ -33,7 +35,6 @@ RECV_BUF = 8 << 20
 MISSING, REDIRECTED, WRONG_TYPE = -1, -2, -3
 
 
-TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
 _SSL_DEFAULTS = inspect.signature(SSLConnection.__init__).parameters
 
 

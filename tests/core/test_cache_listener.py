@@ -13,7 +13,9 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def stored(self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, tokens: bytes, at_root: bool) -> None:
+    def stored(
+        self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, tokens: bytes, at_root: bool, origin: str
+    ) -> None:
         self.calls.append(("stored", pages.tolist(), [h.tobytes() for h in hashes], parent, tokens, at_root))
 
     def removed(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:

@@ -12,9 +12,9 @@ import torch
 from service.config import Settings
 from service.core.hashing import root_hash, token_bytes
 from service.core.tier_index import chain_hashes
-from service.server.state import PoolState
+from service.pool import PoolState
 from tests.tiers.conftest import RedisServer
-from tests.tiers.helpers import kv_of, prompt
+from tests.tiers.helpers import kv_of, prompt, remote_tier
 from tests.tiers.test_ordering import FORMATS, SMALL, write_prompt
 
 
@@ -41,13 +41,12 @@ def test_a_poisoned_page_cuts_the_restore_there(redis_server: RedisServer) -> No
         state = make_state(redis_server)
         try:
             await written_then_evicted(state, redis_server)
-            entries = state.tiers.remote.store.entries  # type: ignore[union-attr]
+            entries = remote_tier(state).store.entries
             hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
             wrong = entries.encode(hashes[2], token_bytes(prompt(2)[8:12]), bytes(1024))
             redis_server.client().set(entries.key(hashes[2]), wrong)  # page 2: another prompt's tokens
-            assert state.tiers is not None
-            await state.tiers.restore([*prompt(1), 7], "", "")
-            a, stats = state.allocator, state.tiers.remote.stats  # type: ignore[union-attr]
+            await state.cache.restore([*prompt(1), 7], "", "")
+            a, stats = state.allocator, remote_tier(state).stats
             assert (a.num_used, a.num_cached, a.num_free) == (0, 2, 6)  # pages 0 and 1; the rest went back free
             assert stats.hits == 2 and stats.rejected == 1 and stats.errors == 0
             seq = state.sequences.create("a2", [*prompt(1), 7])
@@ -67,8 +66,7 @@ def test_the_store_killed_between_count_and_read_commits_nothing(redis_server: R
         state = make_state(redis_server)
         try:
             await written_then_evicted(state, redis_server)
-            assert state.tiers is not None and state.tiers.remote is not None
-            store = state.tiers.remote.store
+            store = remote_tier(state).store
             read = store.get_into
 
             def killed_first(*args: Any) -> int:  # the store dies after answering EXISTS
@@ -76,12 +74,12 @@ def test_the_store_killed_between_count_and_read_commits_nothing(redis_server: R
                 return read(*args)
 
             store.get_into = killed_first  # type: ignore[method-assign,assignment]
-            await state.tiers.restore([*prompt(1), 7], "", "")
+            await state.cache.restore([*prompt(1), 7], "", "")
             a = state.allocator
             assert (a.num_used, a.num_cached, a.num_free) == (0, 0, 8)  # as it was
             assert all(a.page_name(p) is None for p in range(8))
             assert store.stats.errors == 1 and store.stats.hits == 0
-            assert state.tiers.remote.incident.down
+            assert remote_tier(state).incident.down
             assert state.sequences.create("a2", [*prompt(1), 7]).cached_tokens == 0
         finally:
             state.close()
@@ -97,9 +95,8 @@ def test_pages_come_back_whole_bit_for_bit_with_fp8_scales(redis_server: RedisSe
     async def scenario() -> None:
         state = make_state(redis_server, **FORMATS["fp8"])
         storage, seqs = state.storage, state.sequences
-        assert state.tiers is not None
         if path == "staged":
-            state.tiers.codec._host_parts = None  # the pool's pages not addressable from the host
+            remote_tier(state).codec._host_parts = None  # the pool's pages not addressable from the host
         try:
             tokens = prompt(1)
             g = torch.Generator().manual_seed(3)
@@ -117,8 +114,7 @@ def test_pages_come_back_whole_bit_for_bit_with_fp8_scales(redis_server: RedisSe
             await written_then_evicted(state, redis_server, write())
             storage.blocks.zero_()
             storage.scales.zero_()  # type: ignore[union-attr]
-            assert state.tiers is not None
-            await state.tiers.restore([*tokens, 7], "", "")
+            await state.cache.restore([*tokens, 7], "", "")
             seq = seqs.create("a2", [*tokens, 7])
             assert seq.cached_tokens == 16
             new = torch.tensor(seqs.block_table(seq))
@@ -149,23 +145,22 @@ def test_a_bad_entry_of_any_shape_is_rejected_and_the_pages_before_it_come_back(
     async def scenario() -> None:
         state = make_state(redis_server)
         try:
-            assert state.tiers is not None and state.tiers.remote is not None
-            store, stats = state.tiers.remote.store, state.tiers.remote.stats
+            store, stats = remote_tier(state).store, remote_tier(state).stats
             if reader == "redis-py":
                 store.reader = None
             await written_then_evicted(state, redis_server)
             hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
             client, key = redis_server.client(), store.entries.key(hashes[2])
             BAD_ENTRIES[bad](client, key, client.get(key))
-            await state.tiers.restore([*prompt(1), 7], "", "")
+            await state.cache.restore([*prompt(1), 7], "", "")
             a = state.allocator
             assert (stats.hits, stats.rejected, stats.errors) == (2, 1, 0)
             assert (a.num_used, a.num_cached, a.num_free) == (0, 2, 6)
-            assert not state.tiers.remote.incident.down
+            assert not remote_tier(state).incident.down
             assert state.sequences.create("a2", [*prompt(1), 7]).cached_tokens == 8
             state.sequences.free("a2")
             client.delete(key)  # the entry gone: the next restore asks the store again and stops before it
-            await state.tiers.restore([*prompt(1), 7], "", "")
+            await state.cache.restore([*prompt(1), 7], "", "")
             assert (stats.hits, stats.rejected, stats.errors, stats.misses) == (2, 1, 0, 1)
         finally:
             state.close()
@@ -186,8 +181,7 @@ def test_with_a_secret_only_entries_made_with_it_are_loaded(redis_server: RedisS
     async def scenario() -> None:
         state = make_state(redis_server, remote_secret=SECRET)
         try:
-            assert state.tiers is not None and state.tiers.remote is not None
-            store, stats = state.tiers.remote.store, state.tiers.remote.stats
+            store, stats = remote_tier(state).store, remote_tier(state).stats
             if reader == "redis-py":
                 store.reader = None
             await written_then_evicted(state, redis_server)
@@ -209,7 +203,7 @@ def test_with_a_secret_only_entries_made_with_it_are_loaded(redis_server: RedisS
             rejected = 0
             for attempt in attempts:
                 client.set(entries.key(hashes[1]), attempt)
-                await state.tiers.restore([*prompt(1), 7], "", "")
+                await state.cache.restore([*prompt(1), 7], "", "")
                 rejected += 1
                 assert (stats.rejected, stats.errors) == (rejected, 0)
                 seq = state.sequences.create("a2", [*prompt(1), 7])

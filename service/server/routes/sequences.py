@@ -35,9 +35,7 @@ async def create_sequence(request: Request, pool: StateDep, tenant: TenantDep) -
     """Allocate a sequence; with token_ids it starts on the longest cached prefix of full pages."""
     body = await read_json(request, CreateSequence)
     ttl_s = pool.settings.default_ttl_s if body.ttl_s is None else body.ttl_s
-    if pool.tiers is not None and body.token_ids:  # pages the device lost, back from the tiers first
-        await pool.tiers.restore(body.token_ids, tenant, body.cache_salt or "")
-    seq = pool.sequences.create(body.seq_id, body.token_ids, tenant, ttl_s, body.cache_salt or "")
+    seq = await pool.create_sequence(body.seq_id, body.token_ids, tenant, ttl_s, body.cache_salt or "")
     return json_response(pool.sequence_body(seq), 201)
 
 
