@@ -79,7 +79,7 @@ class Driver:
             await asyncio.sleep(0.01)
 
     async def evict_all(self) -> None:
-        """Every cached page out of the device (into the local tier, if any): a sequence takes the pool."""
+        """Every cached page out of the device (into the spill tier, if any): a sequence takes the pool."""
         seqs = self.state.sequences
         seqs.create("fill")
         seqs.append("fill", self.state.allocator.num_available * self.a.page_size)  # no ids: never cached

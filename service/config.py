@@ -58,19 +58,19 @@ class Settings(BaseSettings):
     # Tiers below the device (service/tiers/): evicted pages spill to host memory or a disk file, and
     # committed pages go to a shared Redis/Valkey store; a prefix lookup continues into them.
     spill: Literal["none", "host", "disk"] = Field(
-        "none", description="the node's second tier: host (pinned memory on CUDA) or disk (a file in spill_path)"
+        "none", description="the spill tier: host (pinned memory on CUDA) or disk (a file in spill_path)"
     )
     spill_bytes: int = Field(2**30, ge=0, description="capacity of the spill tier in bytes")
     spill_path: str = Field("", description="disk spill: the directory of the spill file (a local NVMe)")
     remote_url: str = Field(
-        "", description="the shared tier: redis://host:6379/0 (Redis or Valkey), redis+cluster://h:p,h:p; empty: off"
+        "", description="the remote tier: redis://host:6379/0 (Redis or Valkey), redis+cluster://h:p,h:p; empty: off"
     )
-    remote_ttl_s: int = Field(3600, ge=1, description="TTL of each page written to the shared tier")
+    remote_ttl_s: int = Field(3600, ge=1, description="TTL of each page written to the remote tier")
     remote_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False, description="per command to the store")
-    remote_queue_pages: int = Field(4096, ge=1, description="pages queued for the shared tier; more are skipped")
+    remote_queue_pages: int = Field(4096, ge=1, description="pages queued for the remote tier; more are skipped")
     remote_secret: SecretStr = Field(
         SecretStr(""),
-        description="the shared tier's entries authenticated: a keyed MAC (AES-GMAC) with this secret (16 "
+        description="the remote tier's entries authenticated: a keyed MAC (AES-GMAC) with this secret (16 "
         "characters at least; every node sharing the store sets the same) replaces the checksum, and only "
         "entries made with it are loaded; empty: a checksum only (the store is trusted)",
     )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from service.config import Settings
 from service.core.allocator import PageAllocator
 from service.core.sequences import Sequence, SequenceTable
-from service.engine.engine import Engine
+from service.engine.engine import DeviceEngine
 from service.engine.storage import Storage
 from service.ipc.fd_socket import FdServer
 from service.tiers.cache import PrefixCache
@@ -40,7 +40,7 @@ class PoolState:
         # spare every miss its hashing (service/core/prefix_index.py).
         self.allocator = PageAllocator(settings.num_pages, settings.enable_prefix_caching, events_on or tiers_on)
         self.sequences = SequenceTable(self.allocator, settings.page_size, settings.tenant_max_pages)
-        self.engine = Engine(self.storage, settings.attention_backend)
+        self.engine = DeviceEngine(self.storage, settings.attention_backend)
         self.ipc_socket: FdServer | None = None  # memfd pools: where frontends get the descriptors
         self.max_attend_tokens = settings.max_attend_tokens or default_max_attend_tokens(self.storage.device.type)
         self.events: EventPublisher | None = None
@@ -146,7 +146,7 @@ def start_events(state: PoolState) -> "EventPublisher":
 def build_tiers(
     s: Settings,
     storage: Storage,
-    engine: Engine,
+    engine: DeviceEngine,
     allocator: PageAllocator,
     instance_id: str,
     publisher: "EventPublisher | None",

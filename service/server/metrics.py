@@ -94,16 +94,16 @@ TIER_COUNTERS = {
     "rejected": "Entries found but not loaded: token ids, geometry or checksum not matching.",
 }
 TIER_GAUGES = {
-    "used_bytes": "Bytes the tier holds (local tiers).",
-    "capacity_bytes": "Bytes the tier can hold (local tiers).",
-    "entries": "Pages the tier holds (local tiers).",
+    "used_bytes": "Bytes the tier holds (spill tiers).",
+    "capacity_bytes": "Bytes the tier can hold (spill tiers).",
+    "entries": "Pages the tier holds (spill tiers).",
     "up": "1 while the tier works, 0 during an incident.",
     "queued_pages": "Pages waiting to be written to the tier.",
 }
 
 
 def tier_metrics(rows: list[dict[str, Any]]) -> Iterable[Metric]:
-    """kvpool_tier_*{tier="host|disk|remote"} from Tiers.report()."""
+    """kvpool_tier_*{tier="host|disk|remote"} from PrefixCache.report()."""
     for key, doc in TIER_COUNTERS.items():
         counter = CounterMetricFamily(f"kvpool_tier_{key}", doc, labels=["tier"])
         for row in rows:

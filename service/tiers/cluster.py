@@ -1,4 +1,4 @@
-"""The shared tier on a Redis (or Valkey) Cluster: the URL, the write client and the read routing.
+"""The remote tier on a Redis (or Valkey) Cluster: the URL, the write client and the read routing.
 
 URL: redis+cluster://[user:password@]host:port[,host:port...][/0], or rediss+cluster:// for TLS (with
 redis-py's ssl_* options of service.remote_url.TLS_OPTIONS as the query, as on rediss://). The hosts are

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from service.engine.engine import Engine
+from service.engine.engine import DeviceEngine
 from service.tiers.pages import PageCodec, paired_runs
 from service.tiers.spill import SpillTier, TierDataError, catching
 from service.tiers.tier import TierEvents
@@ -37,7 +37,13 @@ class DiskTier(SpillTier):
     medium = "STORAGE"  # the KV events' medium: vLLM's for its file-system offloading tier
 
     def __init__(
-        self, codec: PageCodec, engine: Engine, nbytes: int, events: TierEvents | None, directory: str, instance_id: str
+        self,
+        codec: PageCodec,
+        engine: DeviceEngine,
+        nbytes: int,
+        events: TierEvents | None,
+        directory: str,
+        instance_id: str,
     ) -> None:
         self.entry_nbytes = HEADER_NBYTES + codec.page_nbytes
         super().__init__(codec, engine, nbytes, events)

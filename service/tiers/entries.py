@@ -1,4 +1,4 @@
-"""The shared tier's entries: one page per key, and how a reader knows a value is the page it asked for.
+"""The remote tier's entries: one page per key, and how a reader knows a value is the page it asked for.
 
 Key:   kvpool:v2:<geometry>:<page hash hex> (kvpool:v2m:... for sealed entries, below). The page hash
        chains from the tenant's salted root (service.core.hashing), so tenants never share a key; the

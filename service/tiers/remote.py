@@ -1,4 +1,4 @@
-"""The shared tier's store: committed pages in Redis or Valkey, for every kvpool with the same URL and geometry.
+"""The remote tier's store: committed pages in Redis or Valkey, for every kvpool with the same URL and geometry.
 
 Entries: one page per key, its value checked by a checksum or a keyed MAC (service.tiers.entries).
 Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S), and every read that finds an entry sets it again

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.engine.engine import Engine
+from service.engine.engine import DeviceEngine
 from service.tiers.pages import PageCodec
 from service.tiers.remote import RemoteStore
 from service.tiers.stats import Incident
@@ -38,7 +38,7 @@ class RemoteTier:
     def __init__(
         self,
         store: RemoteStore,
-        engine: Engine,
+        engine: DeviceEngine,
         codec: PageCodec,
         page_name: Callable[[int], bytes | None],
         queue: int,

@@ -1,4 +1,4 @@
-"""The shared tier's read path: pipelined GETEX over a plain socket, each value received straight where
+"""The remote tier's read path: pipelined GETEX over a plain socket, each value received straight where
 it is to stay (recv_into: a row of an array, or the parts of a pool page with the value's header and
 checksum in small buffers beside), no copy in between. redis-py's Python parser copies every value 3-4
 times through a BytesIO, which capped restores at a third of what the store can send (BENCHMARKS.md).

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from service.core.tier_index import TierIndex
-from service.engine.engine import Engine
+from service.engine.engine import DeviceEngine
 from service.tiers.pages import PageCodec, paired_runs
 from service.tiers.stats import Incident, TierStats
 from service.tiers.tier import Found, PromptChain, TierEvents
@@ -42,7 +42,7 @@ class SpillTier:
     medium = ""  # the KV events' medium of its entries
     entry_nbytes = 0  # bytes a slot takes (a page, and a disk slot's header)
 
-    def __init__(self, codec: PageCodec, engine: Engine, nbytes: int, events: TierEvents | None) -> None:
+    def __init__(self, codec: PageCodec, engine: DeviceEngine, nbytes: int, events: TierEvents | None) -> None:
         self.codec, self.engine, self.events = codec, engine, events
         self.page_nbytes = codec.page_nbytes
         self.index = TierIndex(nbytes // self.entry_nbytes)
@@ -152,7 +152,7 @@ class HostTier(SpillTier):
 
     name = "host"
 
-    def __init__(self, codec: PageCodec, engine: Engine, nbytes: int, events: TierEvents | None) -> None:
+    def __init__(self, codec: PageCodec, engine: DeviceEngine, nbytes: int, events: TierEvents | None) -> None:
         # The KV events' medium: vLLM's "CPU" below a GPU; below a CPU pool (whose own events say "CPU")
         # a name of its own, so that a consumer never takes the tier's pages for the device's.
         self.medium = "CPU" if codec.device.type == "cuda" else "CPU_TIER"

@@ -26,7 +26,7 @@ def test_quick_run_restores_from_every_tier_and_reports_figures() -> None:
         assert re.search(rf"^{tier}\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+%\s+\d+\.\dx", out, re.M), out
     alone = float(re.search(r"device pool alone: (\d+\.\d)%", out)[1])  # type: ignore[index]
     assert 0 < alone < 50
-    for tier in ("host", "disk"):  # the local tiers hold the whole working set: every prompt hits
+    for tier in ("host", "disk"):  # the spill tiers hold the whole working set: every prompt hits
         assert f"with the {tier} tier: 100.0%" in out, out
     remote = float(re.search(r"with the remote tier: (\d+\.\d)%", out)[1])  # type: ignore[index]
     assert remote >= 3 * alone, out

@@ -1,4 +1,4 @@
-"""The shared tier on a real Redis Cluster (three redis-server primaries joined by redis-cli) and real
+"""The remote tier on a real Redis Cluster (three redis-server primaries joined by redis-cli) and real
 kvpool servers: sharing across instances to the bit (also over TLS), pages spread over the nodes, a
 poisoned entry rejected, a node killed and restarted mid-workload, a slot moved under a reader
 (-MOVED), and a key migrating away mid-resharding (-ASK)."""

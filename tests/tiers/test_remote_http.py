@@ -1,4 +1,4 @@
-"""The shared tier over HTTP, against a real redis-server and real kvpool servers: (a) sharing across
+"""The remote tier over HTTP, against a real redis-server and real kvpool servers: (a) sharing across
 instances, (c) the store killed and restarted, (d) poisoned entries, (e) tenants kept apart."""
 
 import os

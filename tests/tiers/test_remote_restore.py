@@ -45,10 +45,14 @@ def test_a_poisoned_page_cuts_the_restore_there(redis_server: RedisServer) -> No
             hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
             wrong = entries.encode(hashes[2], token_bytes(prompt(2)[8:12]), bytes(1024))
             redis_server.client().set(entries.key(hashes[2]), wrong)  # page 2: another prompt's tokens
+            await asyncio.sleep(0.3)
+            sent = remote_tier(state).stats.bytes_out
             await state.cache.restore([*prompt(1), 7], "", "")
             a, stats = state.allocator, remote_tier(state).stats
             assert (a.num_used, a.num_cached, a.num_free) == (0, 2, 6)  # pages 0 and 1; the rest went back free
             assert stats.hits == 2 and stats.rejected == 1 and stats.errors == 0
+            await asyncio.sleep(0.3)  # (time for the remote writer to send anything it was handed)
+            assert stats.bytes_out == sent  # restored pages are not written back: the commit says they came back
             seq = state.sequences.create("a2", [*prompt(1), 7])
             assert seq.cached_tokens == 8
             k, v = kv_of(1, 16)

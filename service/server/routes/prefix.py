@@ -19,7 +19,7 @@ MATCH_ERRORS = error_responses(401, 413, 422)
 @routes.post("/v1/prefix/match", body=PrefixMatch, response_model=PrefixMatchOut, responses=MATCH_ERRORS)
 async def match_prefix(request: Request, pool: StateDep, tenant: TenantDep) -> Response:
     """How many leading tokens of a prompt the caller's tenant would get from the prefix cache now,
-    the node's tier (host/disk) included; allocates nothing, pins nothing, moves nothing in the
+    the spill tier (host/disk) included; allocates nothing, pins nothing, moves nothing in the
     eviction order of the device or the tier."""
     body = await read_json(request, PrefixMatch)
     device, tier = pool.cache.match(body.token_ids, tenant, body.cache_salt or "")
