@@ -130,6 +130,16 @@ def test_pages_come_back_whole_bit_for_bit_with_fp8_scales(redis_server: RedisSe
     asyncio.run(scenario())
 
 
+async def evicted_through(state: PoolState, redis_server: RedisServer, reader: str) -> tuple[Any, Any, list[bytes]]:
+    """Prompt 1 written to the store and evicted, to be read through `reader` (ours: "resp", or
+    "redis-py"); returns the tier's store, its stats, and the prompt's page hashes."""
+    store, stats = remote_tier(state).store, remote_tier(state).stats
+    if reader == "redis-py":
+        store.reader = None
+    await written_then_evicted(state, redis_server)
+    return store, stats, chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
+
+
 BAD_ENTRIES = {
     "empty": lambda client, key, value: client.set(key, b""),
     "truncated": lambda client, key, value: client.set(key, value[: len(value) // 2]),
@@ -149,11 +159,7 @@ def test_a_bad_entry_of_any_shape_is_rejected_and_the_pages_before_it_come_back(
     async def scenario() -> None:
         state = make_state(redis_server)
         try:
-            store, stats = remote_tier(state).store, remote_tier(state).stats
-            if reader == "redis-py":
-                store.reader = None
-            await written_then_evicted(state, redis_server)
-            hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
+            store, stats, hashes = await evicted_through(state, redis_server, reader)
             client, key = redis_server.client(), store.entries.key(hashes[2])
             BAD_ENTRIES[bad](client, key, client.get(key))
             await state.cache.restore([*prompt(1), 7], "", "")
@@ -185,11 +191,7 @@ def test_with_a_secret_only_entries_made_with_it_are_loaded(redis_server: RedisS
     async def scenario() -> None:
         state = make_state(redis_server, remote_secret=SECRET)
         try:
-            store, stats = remote_tier(state).store, remote_tier(state).stats
-            if reader == "redis-py":
-                store.reader = None
-            await written_then_evicted(state, redis_server)
-            hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
+            store, stats, hashes = await evicted_through(state, redis_server, reader)
             client, entries = redis_server.client(), store.entries
             assert sorted(k.decode() for k in client.keys()) == sorted(entries.key(h) for h in hashes)
             assert entries.key(hashes[0]).startswith("kvpool:v2m:")  # not where unsealed entries go
