@@ -64,8 +64,8 @@ class PromptChain:
         return self.rest[page * self.page_nbytes : (page + 1) * self.page_nbytes]
 
     def after(self, page: int) -> bytes:
-        """The token bytes of pages page.. ."""
-        return self.rest[page * self.page_nbytes :]
+        """The token bytes of pages page.. (the whole rest uncopied from page 0: the usual case)."""
+        return self.rest if page == 0 else self.rest[page * self.page_nbytes :]
 
 
 class TierEvents(Protocol):

@@ -14,7 +14,7 @@ from service.core.hashing import root_hash, token_bytes
 from service.core.tier_index import chain_hashes
 from service.pool import PoolState
 from tests.tiers.conftest import RedisServer
-from tests.tiers.helpers import kv_of, prompt, remote_tier
+from tests.tiers.helpers import kv_of, prompt, remote_tier, spill_tier
 from tests.tiers.test_ordering import FORMATS, SMALL, write_prompt
 
 
@@ -218,6 +218,36 @@ def test_with_a_secret_only_entries_made_with_it_are_loaded(redis_server: RedisS
                 got = state.storage.blocks[torch.tensor(state.sequences.block_table(seq))]  # [1, 2, L, P, H, D]
                 assert torch.equal(got[0, 0], k[:, :4]) and torch.equal(got[0, 1], v[:, :4])
                 state.sequences.free("a2")
+        finally:
+            state.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_restore_continues_from_the_spill_tier_into_the_remote_one(redis_server: RedisServer) -> None:
+    """Both tiers on, asked in order: the spill tier holds pages 0 and 1 of the prompt, the store all
+    four; the restore loads 0 and 1 from the spill tier, asks the store for 2 and 3 only, and the pages
+    come back bit for bit, committed as one chain."""
+
+    async def scenario() -> None:
+        state = make_state(redis_server, spill="host", spill_bytes=32 * 2200)
+        try:
+            assert [tier.name for tier in state.cache.tiers] == ["host", "remote"]
+            spill, remote = spill_tier(state), remote_tier(state)
+            await written_then_evicted(state, redis_server)
+            await state.engine.submit(lambda: None)
+            await asyncio.sleep(0.05)  # (the spill copies landed)
+            hashes = chain_hashes(root_hash(""), token_bytes(prompt(1)), 4 * 8)
+            assert all(spill.index.entry(h) is not None for h in hashes)
+            assert spill.index.discard(hashes[2]) and spill.index.discard(hashes[3])
+            await state.cache.restore([*prompt(1), 7], "", "")
+            assert (spill.stats.hits, remote.stats.hits, remote.stats.misses) == (2, 2, 0)
+            seq = state.sequences.create("a2", [*prompt(1), 7])
+            assert seq.cached_tokens == 16
+            k, v = kv_of(1, 16)
+            got = state.storage.blocks[torch.tensor(state.sequences.block_table(seq))]  # [4, 2, L, P, H, D]
+            assert torch.equal(got[:, 0], k.reshape(2, 4, 4, 2, 16).transpose(0, 1))
+            assert torch.equal(got[:, 1], v.reshape(2, 4, 4, 2, 16).transpose(0, 1))
         finally:
             state.close()
 
