@@ -51,8 +51,6 @@ class PoolState:
             if tiers_on:
                 tiers = build_tiers(settings, self.storage, self.engine, self.allocator, self.instance_id, self.events)
         except BaseException:  # e.g. the events port is taken: give back what is built (threads, the pool)
-            for tier in tiers:
-                tier.close()
             if self.events is not None:
                 self.events.close()
             self.engine.close()
@@ -83,18 +81,6 @@ class PoolState:
         if self.ipc_socket is not None:
             description["socket"] = self.ipc_socket.path
         return description
-
-    def sequence_body(self, seq: Sequence) -> dict[str, Any]:
-        body = {
-            "seq_id": seq.seq_id,
-            "length": self.sequences.length(seq),
-            "block_table": self.sequences.block_table(seq),
-            "cached_tokens": seq.cached_tokens,
-        }
-        if seq.ttl_s:  # leased sequences only, so bodies without a lease keep their shape
-            body["ttl_s"] = seq.ttl_s
-            body["expires_in_s"] = self.sequences.expires_in(seq, self.sequences.clock())
-        return body
 
     def close(self) -> None:
         self.ready = False
