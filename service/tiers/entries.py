@@ -13,13 +13,13 @@ The tag, by trust model:
   or misplaced value; it is no defence against whoever can write to the store: they can plant any K/V
   under any tenant's prefix whose tokens they know (the store is trusted like the pool's memory).
 - Keyed MAC (KVPOOL_REMOTE_SECRET set): AES-GMAC (pyca/cryptography over OpenSSL: AES-NI and carry-less
-  multiply, the fastest keyed MAC at hand, 5-6 GB/s on this machine where keyed BLAKE2b runs at 0.55 and
-  HMAC-SHA256 at 0.8) under a key used once: BLAKE2b keyed with the secret over the entry's random
-  16-byte salt, so no GCM nonce is ever reused under a key. Then only holders of the secret make entries
-  a reader loads; whoever else can write to the store can delete, age out, or replace entries with ones
-  that are rejected (a lost hit, counted), but neither forge nor move one (the header names the page and
-  its tokens), so no tenant's prefix gets K/V it did not compute. An entry may be replayed under its own
-  key only (the same page, as written). Not secret: the pages are sent and stored in the clear (use
+  multiply, the fastest keyed MAC at hand: docs/benchmarks.md) under a key used once: BLAKE2b keyed with
+  the secret over the entry's random 16-byte salt, so no GCM nonce is ever reused under a key. Then only
+  holders of the secret make entries a reader loads; whoever else can write to the store can delete, age
+  out, or replace entries with ones that are rejected (a lost hit, counted), but neither forge nor move
+  one (the header names the page and its tokens), so no tenant's prefix gets K/V it did not compute. An
+  entry may be replayed under its own key only (the same page, as written). Not secret: the pages are
+  sent and stored in the clear (use
   rediss:// for the wire).
 """
 
@@ -41,7 +41,7 @@ GCM_NONCE = bytes(12)  # one key per entry (from its salt): the nonce need not v
 class Checksum:
     """XXH3-64 over the header and the page: integrity, no authenticity."""
 
-    magic = b"kvpool-remote-v2"  # v2: XXH3-64 instead of zlib's CRC-32 (6.8 GB/s here: a fifth of a restore)
+    magic = b"kvpool-remote-v2"  # v2: XXH3-64 instead of zlib's CRC-32 (a fifth of a restore: docs/benchmarks.md)
     key_prefix = "kvpool:v2"
     salt_nbytes, tag_nbytes = 0, CHECKSUM.size
 

@@ -153,9 +153,8 @@ class HostTier(SpillTier):
     name = "host"
 
     def __init__(self, codec: PageCodec, engine: DeviceEngine, nbytes: int, events: TierEvents | None) -> None:
-        # The KV events' medium: vLLM's "CPU" below a GPU; below a CPU pool (whose own events say "CPU")
-        # a name of its own, so that a consumer never takes the tier's pages for the device's.
-        self.medium = "CPU" if codec.device.type == "cuda" else "CPU_TIER"
+        # The KV events' medium: vLLM's "CPU", below a pool on any device (whose own events say "GPU").
+        self.medium = "CPU"
         self.entry_nbytes = codec.page_nbytes
         super().__init__(codec, engine, nbytes, events)
         pinned = codec.device.type == "cuda"
@@ -164,21 +163,31 @@ class HostTier(SpillTier):
         # (DMA from the pinned rows).
         self.rows: torch.Tensor | np.ndarray = self.store.numpy() if codec.device.type == "cpu" else self.store
 
-    def _copy_down(self, pages: list[int], slots: list[int], hashes: list[bytes]) -> None:
-        def job() -> None:  # one copy per run consecutive on both sides
+    def copy_down_job(self, pages: list[int], slots: list[int]) -> Callable[[], None]:
+        """The engine job copying `pages` into `slots`: one copy per run consecutive on both sides."""
+
+        def job() -> None:
             for _, first, slot, count in paired_runs(pages, slots):
                 self.codec.read_run(first, count, self.rows[slot : slot + count])
 
-        inline = self.engine.fits_inline(nbytes=len(pages) * self.page_nbytes)
-        done = self.engine.submit(catching(job), inline)
-        done.add_done_callback(lambda f: self._landed(slots, hashes, f.result()))
+        return job
 
-    async def _read(self, slots: list[int], hashes: list[bytes], pages: list[int]) -> None:
+    def read_job(self, slots: list[int], pages: list[int]) -> Callable[[], None]:
+        """The engine job copying `slots` into `pages`."""
+
         def job() -> None:
             for _, slot, first, count in paired_runs(slots, pages):
                 self.codec.write_run(first, count, self.rows[slot : slot + count])
 
-        await self.engine.submit(job)
+        return job
+
+    def _copy_down(self, pages: list[int], slots: list[int], hashes: list[bytes]) -> None:
+        inline = self.engine.fits_inline(nbytes=len(pages) * self.page_nbytes)
+        done = self.engine.submit(catching(self.copy_down_job(pages, slots)), inline)
+        done.add_done_callback(lambda f: self._landed(slots, hashes, f.result()))
+
+    async def _read(self, slots: list[int], hashes: list[bytes], pages: list[int]) -> None:
+        await self.engine.submit(self.read_job(slots, pages))
 
 
 def catching(job: Callable[[], None]) -> Callable[[], BaseException | None]:

@@ -1,7 +1,7 @@
 """The error codes of API v1, in one table: code -> HTTP status and the typed exception.
 
 The server's exception handlers answer with these statuses; the client raises the row's exception
-again from an envelope's code and details; README's error table documents the same rows (a test
+again from an envelope's code and details; the error table of docs/http-api.md documents the same rows (a test
 holds the two equal). Codes without a core class are answered by the HTTP edge itself; a client
 raises them as a plain KVPoolError that keeps the code.
 """
@@ -14,6 +14,7 @@ from service.core.errors import (
     Forbidden,
     InvalidRequest,
     KVPoolError,
+    NonFiniteOutput,
     OutOfPages,
     PayloadTooLarge,
     QuotaExceeded,
@@ -39,6 +40,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
     for row in (
         _typed(InvalidRequest, 422),
         _typed(AttendTooLarge, 422),
+        _typed(NonFiniteOutput, 422),
         _typed(SequenceNotFound, 404),
         _typed(SequenceExists, 409),
         _typed(OutOfPages, 507),
