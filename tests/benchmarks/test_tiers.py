@@ -28,7 +28,11 @@ def test_quick_run_restores_from_every_tier_and_reports_figures(tmp_path: Path) 
     assert "working set 8 prefixes (x3.9)" in out
     result = json.loads((tmp_path / "tiers.json").read_text())
     assert result["kind"] == "tiers" and result["command"] == "kvpool bench tiers --quick", result
-    assert [row["name"] for row in result["tiers"]] == ["host", "disk", "remote"], result
+    assert [row["name"] for row in result["tiers"]] == ["host", "disk", "remote", "remote-mac"], result
+    # The keyed MAC's cost, on restores paired with the checksum's (a figure, no target asserted here).
+    assert re.search(
+        r"restores paired .*\n  alternating\): wall time [+-]\d+%, this process's CPU time [+-]\d+%", out
+    ), out
     for tier, row in zip(("host", "disk", "remote"), result["tiers"]):
         pattern = rf"^{tier}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)%\s+(\d+\.\d)x"
         printed = re.search(pattern, out, re.M)
