@@ -97,7 +97,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         # for, and releases, not waited for; worker side: loads, waited for, and saves, not waited for).
         self._thread = ConnectorThread(int(extra.get("max_queued_saves", 64)))
         self._waits: Counter[str] = Counter()  # counted on vLLM's thread (link.stats: on the connector's)
-        atexit.register(self._thread.close)  # an exit without shutdown() still runs what is queued
+        atexit.register(self._close)  # an exit without shutdown() (vLLM's engine failed) still runs what is queued
         # One object per role, each only in its role.
         self._scheduler = (
             KVPoolConnectorScheduler(
@@ -186,10 +186,13 @@ class KVPoolConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker_side().build_connector_worker_meta()
 
-    def shutdown(self) -> None:
+    def _close(self) -> None:
         if self._scheduler is not None:
             self._scheduler.discard_open_saves()  # no rank reports them any more: released uncommitted
         self._thread.close()  # what is queued runs first
+
+    def shutdown(self) -> None:
+        self._close()
         if self.stats:
             logger.info("kvpool connector (%s): %s", self.role.name.lower(), self.stats)
         self._link.close()

@@ -80,8 +80,12 @@ class Pin:
 
 def model_geometry(vllm_config: VllmConfig) -> Geometry:
     """The whole model's KV geometry (every layer, every KV head), whatever its ranks hold: kvpool's pages store
-    all of it, each rank writing and reading its own part (vllm_worker.Shard)."""
-    model = vllm_config.model_config
+    all of it, each tensor parallel rank writing and reading its own KV heads (vllm_worker.Shard)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        # vLLM 0.32's CPU build cannot run it (its second stage fails `assert self.intermediate_tensors is not
+        # None` in gpu_model_runner.sync_and_gather_intermediate_tensors, vLLM alone): untested, so refused.
+        raise ValueError("kvpool's vLLM connector does not support pipeline parallelism yet (tensor parallel: yes)")
     if model.use_mla:
         raise ValueError("kvpool's vLLM connector does not support MLA models yet")
     cache_dtype = vllm_config.cache_config.cache_dtype

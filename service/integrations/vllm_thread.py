@@ -6,8 +6,8 @@ one each, all called "kvpool-connector"): every kvpool call and K/V copy of that
 - `run` jobs are waited for and go ahead of queued `submit` jobs, which are not waited for. Worker
   side: loads (the forward needs them) and saves (vLLM's step goes on while they run, and vLLM keeps a
   finished request's blocks until the connector reports its saves done, in get_finished). Scheduler
-  side: lookups and the appends of saves (waited for), and the releases of pins and saves. At most `max_saves` submitted jobs wait; one more blocks the
-  caller.
+  side: lookups and the appends of saves (waited for), and the releases of pins and saves. At most
+  `max_saves` submitted jobs wait; one more blocks the caller.
 - Copies here run on one intra-op thread. vLLM's CPU worker keeps its OpenMP threads for the model;
   a parallel copy in vLLM's step stalls whenever one of those threads is descheduled (measured in the
   engine on a loaded 2-core machine: the same 2,048-token load took 2.4 ms at best and up to 230 ms),

@@ -2,7 +2,7 @@
 
 One per rank. kvpool's pages hold every layer and every KV head of the model (one pool geometry whatever
 the parallelism, so that prefixes are shared across tensor parallel degrees): a rank reads and writes its
-own part of each page, the KV heads and layers it holds (`Shard`; a rank holding a replica of a KV head
+own part of each page, the KV heads it holds (`Shard`; a rank holding a replica of a KV head
 that another rank writes, where tensor parallel size > KV heads, reads it and writes nothing).
 
 Before the forward, the step's loads copy the pinned pages into vLLM's blocks (and check that the pin
@@ -40,20 +40,16 @@ logger = logging.getLogger("service.integrations.vllm")
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's part of each kvpool page: KV heads [first_head, first_head + num_heads) of layers
-    [first_layer, first_layer + num_layers) (pool.blocks[:, :, layers, :, heads]); `writes`: False for a
-    replica of a head another rank writes."""
+    """This rank's part of each kvpool page: KV heads [first_head, first_head + num_heads) of every layer;
+    `writes`: False for a replica of a head that another rank writes."""
 
     first_head: int
     num_heads: int
     writes: bool
-    first_layer: int
-    num_layers: int
 
     def of(self, blocks: torch.Tensor) -> torch.Tensor:
         """This rank's view of the pool's blocks [P + 1, 2, L, page, H, D] (strided unless it is all of it)."""
-        layers = slice(self.first_layer, self.first_layer + self.num_layers)
-        return blocks[:, :, layers, :, self.first_head : self.first_head + self.num_heads]
+        return blocks[..., self.first_head : self.first_head + self.num_heads, :]
 
 
 def head_shard(total_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int, bool]:
@@ -77,7 +73,7 @@ class KVPoolConnectorWorker:
     ) -> None:
         self._vllm_config = vllm_config
         self._link, self._thread, self._waits, self._block_size = link, thread, waits, block_size
-        # Layer index (from this rank's first) -> its KV cache [num_blocks, heads, block_size, 2 * head_dim],
+        # Layer index -> its KV cache [num_blocks, heads, block_size, 2 * head_dim],
         # and the attention backend's writer into it (what loads store K/V with).
         self._layers: dict[int, torch.Tensor] = {}
         self._writers: dict[int, Writer] = {}
@@ -97,7 +93,6 @@ class KVPoolConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context
         layouts: set[Layout] = set()
-        by_index: dict[int, tuple[Any, torch.Tensor]] = {}
         for name, cache in kv_caches.items():
             layer = layers[name]
             layouts.add(check_layout(layer, cache))
@@ -106,28 +101,26 @@ class KVPoolConnectorWorker:
                     f"KVPoolConnector: layer {name} stores blocks of {cache.shape[2]} tokens, vLLM's block size "
                     f"is {self._block_size}: set --block-size to the attention backend's block size"
                 )
-            by_index[extract_layer_index(name)] = (layer, cache)
+            index = extract_layer_index(name)
+            self._layers[index] = cache
+            self._writers[index] = partial(_write_layer, layer, cache)
         model = self._link.model
-        first = min(by_index, default=0)  # this rank's layers: all of them, or a pipeline stage's
-        if sorted(by_index) != list(range(first, first + len(by_index))) or first + len(by_index) > model.num_layers:
+        if sorted(self._layers) != list(range(model.num_layers)):
             raise ValueError(
-                f"KVPoolConnector: expected consecutive layers of 0..{model.num_layers - 1}, "
-                f"vLLM registered {sorted(by_index)}"
+                f"KVPoolConnector: expected layers 0..{model.num_layers - 1}, vLLM registered {sorted(self._layers)}"
             )
-        for index, (layer, cache) in by_index.items():
-            self._layers[index - first] = cache
-            self._writers[index - first] = partial(_write_layer, layer, cache)
         if len(layouts) != 1:
             raise ValueError(f"KVPoolConnector: the layers' KV block layouts differ: {sorted(x.name for x in layouts)}")
-        first_head, num_heads, writes = head_shard(
-            model.num_kv_heads, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        self._shard = Shard(
+            *head_shard(model.num_kv_heads, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
         )
-        cache_heads = next(iter(self._layers.values())).shape[1]
-        if cache_heads != num_heads:
-            raise ValueError(f"KVPoolConnector: vLLM's cache holds {cache_heads} KV heads per rank, not {num_heads}")
-        self._shard = Shard(first_head, num_heads, writes, first, len(by_index))
-        # The compiled copy takes a whole pool; a part of one is copied by torch ops.
-        whole = num_heads == model.num_kv_heads and len(by_index) == model.num_layers
+        cache_heads = self._layers[0].shape[1]
+        if cache_heads != self._shard.num_heads:
+            raise ValueError(
+                f"KVPoolConnector: vLLM's cache holds {cache_heads} KV heads per rank, not {self._shard.num_heads}"
+            )
+        # The compiled copy takes a whole pool's heads; a part of them is copied by torch ops.
+        whole = self._shard.num_heads == model.num_kv_heads
         self._copier = KVCopier(self._layers, self._writers, self._block_size, native=whole, layout=layouts.pop())
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:

@@ -17,32 +17,16 @@ import json
 import os
 import signal
 import sys
-import time
-from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-SETTLE_S = 60
-
-
-def settle(llm: Any) -> dict[str, int]:
-    """Step the engine until every rank has reported every save and the scheduler's commits are done; the
-    connector's counters (the scheduler's, with its workers' summed), or {} without a connector."""
-    core = llm.llm_engine.engine_core.engine_core  # (an InprocClient's EngineCore)
-    connector = core.scheduler.connector
-    if connector is None:
-        return {}
-    deadline = time.monotonic() + SETTLE_S
-    while connector.pending_saves and time.monotonic() < deadline:
-        core.step_fn()  # the workers' reports come back with each step's output, saving or not
-        time.sleep(0.001)
-    connector.wait_for_saves()
-    return dict(connector.stats)
 
 
 def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # the tests dump this process's stacks when it does not answer
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
+    from benchmarks.vllm_connector import settle
 
     config = json.loads(sys.argv[1])
     transfer = None

@@ -1,0 +1,118 @@
+"""The tensor parallel mode of benchmarks.vllm_connector (`--tp 2`): TTFT of a TP engine cold and hitting kvpool
+in a fresh process, and the share of a prompt cached across tensor parallel degrees.
+
+    python -m benchmarks.vllm_connector --tp 2 [--layers 8 --hidden 512 --prompt 2048 --rounds 5]
+
+One engine process at a time (each TP engine is an engine core and one worker process per rank, every worker
+bound to a core of its own: VLLM_CPU_OMP_THREADS_BIND, the same in every TP engine timed, so that the compared
+TTFTs come from engines with the same thread settings), one after the other on the same `kvpool serve`:
+1. vLLM alone at TP (its prefix cache off): cold TTFT of fresh prompts;
+2. vLLM at TP with the connector: the same prompts again (a miss that saves), each saved;
+3. vLLM at TP=1 with the connector: prompts sharing all but their last 64 tokens with those (saved at TP),
+   whose cached share is the cross-TP figure TP -> 1; and fresh prompts of its own, saved at TP=1;
+4. a fresh vLLM at TP with the connector (its prefix cache off: every hit is kvpool's): TTFT of the prompts
+   sharing all but their last 64 tokens with step 2's (the fresh-process hit), and the share cached of
+   step 3's own prompts repeated (cross-TP 1 -> TP).
+"""
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.vllm_connector import REPO, SUFFIX, Engine, cpu_pressure, make_model, prompts, token_bytes
+from service.cli import free_port
+
+
+def run_tp(args: argparse.Namespace, tmp: str) -> None:
+    model = str(Path(tmp) / "model")
+    make_model(Path(model), args.layers, args.hidden, args.dtype)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    pages = 4 * args.rounds * args.prompt // 16 + 64  # every prompt saved stays cached
+    server = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--model", model, "--port", str(port), "--device", "cpu",
+         "--num-pages", str(pages), "--log-level", "warning"],
+        cwd=REPO,
+    )  # fmt: skip
+    tb, r, fixed = token_bytes(args), range(args.rounds), args.malloc == "fixed"
+
+    def engine(kvpool: str | None, tp: int) -> Engine:
+        return Engine(model, kvpool, False, args.prompt, tb, fixed, args.dtype, tp=tp)
+
+    results: dict[str, list[dict[str, Any]]] = {}
+    pressure: dict[str, float] = {}
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        saved = [prompts(10 + i, args.prompt) for i in r]  # (saved at TP, the hit sharing all but SUFFIX)
+        own = [prompts(50 + i, args.prompt)[0] for i in r]  # saved at TP=1
+        phases = (
+            ("alone", None, args.tp, [(p[0], "cold") for p in saved]),
+            ("saving", url, args.tp, [(p[0], "miss") for p in saved]),
+            ("tp1", url, 1, [(p[1], "cross") for p in saved] + [(p, "miss") for p in own]),
+            ("fresh", url, args.tp, [(p[1], "hit") for p in saved] + [(p, "cross") for p in own]),
+        )
+        for name, kvpool, tp, runs in phases:
+            current = engine(kvpool, tp)
+            try:
+                pressure[name] = cpu_pressure()
+                results[name] = [{**current.run(prompt, 1), "kind": kind} for prompt, kind in runs]
+                results[name].append(current.finish([]))
+            finally:
+                current.close()
+    finally:
+        server.terminate()
+        server.wait(30)
+    report_tp(args, results, pressure)
+
+
+def report_tp(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], pressure: dict[str, float]) -> None:
+    def of(phase: str, kind: str) -> list[dict[str, Any]]:
+        return [run for run in results[phase][:-1] if run["kind"] == kind]
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    def ms(values: list[float]) -> str:
+        v = sorted(values)
+        return f"{1000 * median(v):8.1f} ms ({1000 * v[0]:.1f}–{1000 * v[-1]:.1f})"
+
+    kv_heads = max(1, args.hidden // 128)
+    print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {args.hidden // 64} query / {kv_heads} KV heads "
+          f"of 64, {args.dtype}; prompt {args.prompt} tokens; vLLM block 32, kvpool page 16; TP={args.tp} engines with "
+          f"one OpenMP thread per worker, each bound to its own core (VLLM_CPU_OMP_THREADS_BIND), the TP=1 engine "
+          f"with vLLM's default threads; one engine at a time; {args.rounds} prompts each, medians "
+          f"(min–max)")  # fmt: skip
+    print("  /proc/pressure/cpu some avg10 at each engine's start: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in pressure.items()))  # fmt: skip
+    cold, hit = [x["s"] for x in of("alone", "cold")], [x["s"] for x in of("fresh", "hit")]
+    for label, values in (
+        (f"TTFT, vLLM alone TP={args.tp}, cold (miss)", cold),
+        (f"TTFT, TP={args.tp} miss with the connector (saving)", [x["s"] for x in of("saving", "miss")]),
+        (f"TTFT, fresh TP={args.tp} process, kvpool hit", hit),
+    ):
+        print(f"  {label:48s} {ms(values)}")
+    shared = args.prompt - SUFFIX
+    print(f"  kvpool hit / cold TTFT at TP={args.tp}: {median(hit) / median(cold):.3f} (target <= 0.25); cached "
+          f"{sorted({x['cached'] for x in of('fresh', 'hit')})} of the {shared} shared tokens")  # fmt: skip
+    for label, runs, prefix in (
+        (f"saved at TP={args.tp}, loaded at TP=1", of("tp1", "cross"), shared),
+        (f"saved at TP=1, loaded at TP={args.tp}", of("fresh", "cross"), args.prompt),
+    ):
+        cached = [x["cached"] for x in runs]
+        print(f"  cross-TP, {label}: cached {sorted(set(cached))} of the {prefix} shared tokens, the least "
+              f"{min(cached) / prefix:.1%} (target >= 95%)")  # fmt: skip
+    for phase in ("saving", "tp1", "fresh"):
+        stats = results[phase][-1]["stats"]
+        shown = {k: v for k, v in stats.items() if not k.endswith("_ns")}
+        print(f"  the {phase} engine's connector (the scheduler's, its workers' summed): {shown}")
