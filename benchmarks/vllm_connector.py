@@ -357,24 +357,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(Path(tmp) / "model")
         make_model(Path(model), args.layers, args.hidden, args.dtype)
-        port = 18000 + os.getpid() % 1000
-        url = f"http://127.0.0.1:{port}"
         pages = (3 * args.rounds + 4) * args.prompt // 16 + 64  # every prompt saved stays cached
-        server = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--model", model, "--port", str(port), "--device", "cpu",
-             "--num-pages", str(pages), "--log-level", "warning"],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-        )  # fmt: skip
+        server, url = start_kvpool(model, pages)
         engines: list[Engine] = []
         try:
-            import httpx
-
-            for _ in range(300):
-                try:
-                    if httpx.get(f"{url}/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.2)
             # Both engines alive at once, vLLM's own prefix cache on in both; each round times the same fresh
             # prompts on each, in alternating order, so that the machine's drift falls on both alike.
             alone = Engine(model, None, True, args.prompt, tb, args.malloc == "fixed", args.dtype)
@@ -418,6 +404,32 @@ def main() -> None:
     report(args, rounds, hits, alone_result, first, fresh)
 
 
+def start_kvpool(model: str, num_pages: int) -> tuple[subprocess.Popen[bytes], str]:
+    """`kvpool serve --model` on the CPU on a port of its own, once it answers /readyz; (process, url)."""
+    import httpx
+
+    port = 18000 + os.getpid() % 1000
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--model", model, "--port", str(port), "--device", "cpu",
+         "--num-pages", str(num_pages), "--log-level", "warning"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/readyz").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    return server, url
+
+
+def ms(values: list[float]) -> str:
+    """median (min–max) of `values` seconds, in ms."""
+    v = sorted(values)
+    return f"{1000 * v[len(v) // 2]:8.1f} ms ({1000 * v[0]:.1f}–{1000 * v[-1]:.1f})"
+
+
 def shares(rate: float, ceilings: dict[str, float]) -> str:
     """`rate` as a share of each ceiling."""
     return ", ".join(f"{rate / c:.0%} of {what}" for what, c in ceilings.items())
@@ -433,10 +445,6 @@ def report(
     args: argparse.Namespace, rounds: list[dict[str, Any]], hits: list[dict[str, Any]], alone: dict[str, Any],
     first: dict[str, Any], fresh: dict[str, Any],
 ) -> None:  # fmt: skip
-    def ms(values: list[float]) -> str:
-        v = sorted(values)
-        return f"{1000 * v[len(v) // 2]:8.1f} ms ({1000 * v[0]:.1f}–{1000 * v[-1]:.1f})"
-
     kv_heads = max(1, args.hidden // 128)
     print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {args.hidden // 64} query / {kv_heads} KV "
           f"heads of 64, {args.dtype}; prompt {args.prompt} tokens (shared but the last {SUFFIX}), {args.new} new; "

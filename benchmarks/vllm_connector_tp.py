@@ -16,29 +16,16 @@ TTFTs come from engines with the same thread settings), one after the other on t
 """
 
 import argparse
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from benchmarks.vllm_connector import REPO, SUFFIX, Engine, cpu_pressure, make_model, prompts, token_bytes
-from service.cli import free_port
+from benchmarks.vllm_connector import SUFFIX, Engine, cpu_pressure, make_model, ms, prompts, start_kvpool, token_bytes
 
 
 def run_tp(args: argparse.Namespace, tmp: str) -> None:
     model = str(Path(tmp) / "model")
     make_model(Path(model), args.layers, args.hidden, args.dtype)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    pages = 4 * args.rounds * args.prompt // 16 + 64  # every prompt saved stays cached
-    server = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--model", model, "--port", str(port), "--device", "cpu",
-         "--num-pages", str(pages), "--log-level", "warning"],
-        cwd=REPO,
-    )  # fmt: skip
+    server, url = start_kvpool(model, 4 * args.rounds * args.prompt // 16 + 64)  # every prompt saved stays cached
     tb, r, fixed = token_bytes(args), range(args.rounds), args.malloc == "fixed"
 
     def engine(kvpool: str | None, tp: int) -> Engine:
@@ -47,13 +34,6 @@ def run_tp(args: argparse.Namespace, tmp: str) -> None:
     results: dict[str, list[dict[str, Any]]] = {}
     pressure: dict[str, float] = {}
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
         saved = [prompts(10 + i, args.prompt) for i in r]  # (saved at TP, the hit sharing all but SUFFIX)
         own = [prompts(50 + i, args.prompt)[0] for i in r]  # saved at TP=1
         phases = (
@@ -82,10 +62,6 @@ def report_tp(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]
 
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2]
-
-    def ms(values: list[float]) -> str:
-        v = sorted(values)
-        return f"{1000 * median(v):8.1f} ms ({1000 * v[0]:.1f}–{1000 * v[-1]:.1f})"
 
     kv_heads = max(1, args.hidden // 128)
     print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {args.hidden // 64} query / {kv_heads} KV heads "
