@@ -35,11 +35,14 @@ def run_tp(args: argparse.Namespace, tmp: str) -> None:
     pressure: dict[str, float] = {}
     try:
         saved = [prompts(10 + i, args.prompt) for i in r]  # (saved at TP, the hit sharing all but SUFFIX)
+        # Loaded at TP=1: a third prompt sharing all but SUFFIX with the one saved at TP (not the hit's, which a
+        # save at TP=1 would then hold whole).
+        crossing = [p[0][:-SUFFIX] + prompts(90 + i, args.prompt)[0][-SUFFIX:] for i, p in enumerate(saved)]
         own = [prompts(50 + i, args.prompt)[0] for i in r]  # saved at TP=1
         phases = (
             ("alone", None, args.tp, [(p[0], "cold") for p in saved]),
             ("saving", url, args.tp, [(p[0], "miss") for p in saved]),
-            ("tp1", url, 1, [(p[1], "cross") for p in saved] + [(p, "miss") for p in own]),
+            ("tp1", url, 1, [(p, "cross") for p in crossing] + [(p, "miss") for p in own]),
             ("fresh", url, args.tp, [(p[1], "hit") for p in saved] + [(p, "cross") for p in own]),
         )
         for name, kvpool, tp, runs in phases:
@@ -90,5 +93,8 @@ def report_tp(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]
               f"{min(cached) / prefix:.1%} (target >= 95%)")  # fmt: skip
     for phase in ("saving", "tp1", "fresh"):
         stats = results[phase][-1]["stats"]
-        shown = {k: v for k, v in stats.items() if not k.endswith("_ns")}
-        print(f"  the {phase} engine's connector (the scheduler's, its workers' summed): {shown}")
+        requests = len(results[phase])  # its runs and its warm-up (the last entry is finish()'s)
+        counts = {k: v for k, v in stats.items() if not k.endswith("_ns")}
+        times = ", ".join(f"{k[:-3]} {v / 1e6 / requests:.2f}" for k, v in stats.items() if k.endswith("_ns"))
+        print(f"  the {phase} engine's connector (the scheduler's, its workers' summed): {counts}; ms per request "
+              f"(the ranks' summed): {times}")  # fmt: skip
