@@ -87,6 +87,7 @@ class KVPoolConnectorScheduler:
                 return None
             began = time.perf_counter_ns()
             info = link.create(token_ids, salt)
+            link.stats["lookups"] += 1  # one per request, however many ranks load it
             link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
             return info
 

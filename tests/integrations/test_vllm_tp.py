@@ -113,6 +113,7 @@ def test_tp2_tokens_equal_vllm_alone_and_hits_in_process(
     # Both prompts' 40 pages committed once both ranks wrote their head (each rank counts its own writes).
     assert stats["saved_tokens"] == 2 * 640 and stats["written_tokens"] == 2 * 2 * 640
     assert stats["loaded_tokens"] == 2 * 640 and not stats.get("saves_discarded")
+    assert stats["lookups"] == 3  # one per request, not one per rank
     assert not any(k.startswith("faults") or k == "internal_errors" for k in stats), stats
     for name in ("tp2", "tp2_to_tp1"):  # every head of every committed page written
         pages = cached_pages(pool, PROMPTS[name])
