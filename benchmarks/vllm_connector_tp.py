@@ -90,7 +90,7 @@ def report_tp(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]
         (f"TTFT, vLLM alone TP={args.tp}, cold (miss)", cold),
         (f"TTFT, TP={args.tp} miss with the connector (saving)", [x["s"] for x in of("saving", "miss")]),
         (f"TTFT, fresh TP={args.tp} process, kvpool hit", hit),
-        (f"TTFT, the same process, misses between its hits", beside),
+        ("TTFT, the same process, misses between its hits", beside),
     ):
         print(f"  {label:52s} {ms(values)}")
     shared = args.prompt - SUFFIX
