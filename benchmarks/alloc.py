@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import report
 from service.core.allocator import PageAllocator
 from service.core.layout import lut_columns
 from service.core.sequences import SequenceTable
@@ -206,8 +207,10 @@ def _print_machine() -> None:
 
 def main(args: argparse.Namespace) -> int:
     quick = bool(getattr(args, "quick", False))
+    outputs = getattr(args, "json", None), getattr(args, "plot", None)
+    argv = getattr(args, "argv", ["kvpool", "bench", "alloc"])
     if getattr(args, "peers", False):
-        return peers(quick)
+        return peers(quick, argv, *outputs)
     repeats = 1 if quick else REPEATS
     _print_machine()
     print(f"pool: {NUM_PAGES} pages of {PAGE_SIZE} tokens; prompts of {PROMPT} tokens ({PROMPT // PAGE_SIZE} pages)")
@@ -227,6 +230,19 @@ def main(args: argparse.Namespace) -> int:
     http = bench_step_http(20 if quick else 300)
     verdict = _verdict(http, 5e-3, False)
     print(f"(c) step, 256 seqs, HTTP p50       : {http * 1e3:8.2f} ms          target <= 5    {verdict}")
+    result = report.new_result("alloc", argv)
+    result["figures"] = [  # (label, value, unit, target, higher is better)
+        {"label": label, "value": value, "unit": unit, "target": target, "higher_is_better": higher}
+        for label, value, unit, target, higher in (
+            ("(a) alloc+free, caching off", a, "pages/s", 10e6, True),
+            ("(b) misses", miss, "pages/s", 1e6, True),
+            ("(b) misses, pool full", evicting, "pages/s", 1e6, True),
+            ("(b) hits", hit, "pages/s", 1e6, True),
+            ("(c) step, 256 seqs, in process", step, "s", 100e-6, False),
+            ("(c) step, 256 seqs, HTTP p50", http, "s", 5e-3, False),
+        )
+    ]
+    report.save(result, *outputs)
     return 0
 
 
@@ -259,7 +275,9 @@ PEER_LEGEND = (
 )
 
 
-def peers(quick: bool) -> int:
+def peers(
+    quick: bool, argv: list[str] | None = None, json_path: str | None = None, plot_path: str | None = None
+) -> int:
     """kvpool and vLLM's KVCacheManager on the same workloads and inputs in this process, alternating,
     best of REPEATS each: (a) 128 prompts allocated, then freed, caching off; (b) 200 distinct prompts
     on an empty pool (misses); (c) the same 200 again (hits; the figures without --peers hit one
@@ -274,8 +292,16 @@ def peers(quick: bool) -> int:
     repeats = 1 if quick else REPEATS
     _print_machine()
     print(f"peer: vLLM {peers_vllm.VERSION} KVCacheManager, request hasher {peers_vllm.HASH_ALGO}", flush=True)
+    result = report.new_result("alloc-peers", argv or ["kvpool", "bench", "alloc", "--peers"])
+    result["peer"] = f"vLLM {peers_vllm.VERSION} KVCacheManager"
+    result["pools"] = []
     for pool in PEER_TARGETS:
-        _print_peers(pool, _side_by_side(pool, peers_vllm, repeats, quick))
+        rows = peer_rows(pool, _side_by_side(pool, peers_vllm, repeats, quick))
+        _print_peers(pool, rows)
+        result["pools"].append(
+            {"page_size": pool.page_size, "num_pages": pool.num_pages, "target": PEER_TARGETS[pool], "rows": rows}
+        )
+    report.save(result, json_path, plot_path)
     return 0
 
 
@@ -332,7 +358,28 @@ def _side_by_side(pool: Pool, vllm: Any, repeats: int, quick: bool) -> dict[tupl
     return best
 
 
-def _print_peers(pool: Pool, best: dict[tuple[str, str], float]) -> None:
+def peer_rows(pool: Pool, best: dict[tuple[str, str], float]) -> list[dict[str, Any]]:
+    """One row per figure: each side's value, kvpool/vLLM (for the step: vLLM's time / kvpool's), judged or not."""
+    rows: list[dict[str, Any]] = [
+        {
+            "key": key,
+            "label": label.strip(),
+            "judged": judged,
+            "unit": "pages/s",
+            "kvpool": best["kvpool", key],
+            "vllm": best["vllm", key],
+            "ratio": best["kvpool", key] / best["vllm", key],
+        }
+        for key, label, judged in PEER_FIGURES
+    ]
+    times = best["kvpool", "step"], best["vllm", "step"]
+    label = f"(d) decode step, {BATCH} seqs"
+    rows.append({"key": "step", "label": label, "judged": True, "unit": "s", "kvpool": times[0], "vllm": times[1]})
+    rows[-1]["ratio"] = times[1] / times[0]
+    return rows
+
+
+def _print_peers(pool: Pool, rows: list[dict[str, Any]]) -> None:
     target = PEER_TARGETS[pool]
     print(
         f"page {pool.page_size}: {pool.num_pages} pages ({pool.num_pages * pool.page_size} tokens); "
@@ -345,15 +392,14 @@ def _print_peers(pool: Pool, best: dict[tuple[str, str], float]) -> None:
         judged = f"{ratio:8.2f}x  target >= {target}" if ratio is not None else f"{'target <= 100 us':>26}"
         print(f"{label:30}: {cells[0]:>33}   {cells[1]:>33} {judged}  {verdict}")
 
-    for key, label, judged in PEER_FIGURES:
-        rates = best["kvpool", key], best["vllm", key]
-        cells = [f"{x / 1e6:7.3f} M pages/s {x * pool.page_size / 1e6:7.1f} M tok/s" for x in rates]
-        ratio = rates[0] / rates[1]
-        if judged:
-            row(label, cells, ratio, _verdict(ratio, target))
+    labels = {key: label for key, label, _ in PEER_FIGURES}
+    *rates, step = rows
+    for r in rates:
+        cells = [f"{x / 1e6:7.3f} M pages/s {x * pool.page_size / 1e6:7.1f} M tok/s" for x in (r["kvpool"], r["vllm"])]
+        if r["judged"]:
+            row(labels[r["key"]], cells, r["ratio"], _verdict(r["ratio"], target))
         else:
-            print(f"{label:30}: {cells[0]:>33}   {cells[1]:>33} {ratio:8.2f}x  (no target)")
-    times = best["kvpool", "step"], best["vllm", "step"]
-    cells = [f"{t * 1e6:9.1f} us per step" for t in times]
-    row(f"(d) decode step, {BATCH} seqs", cells, times[1] / times[0], _verdict(times[1] / times[0], target))
-    row("    kvpool step, in process", [cells[0], ""], None, _verdict(times[0], 100e-6, False))
+            print(f"{labels[r['key']]:30}: {cells[0]:>33}   {cells[1]:>33} {r['ratio']:8.2f}x  (no target)")
+    cells = [f"{t * 1e6:9.1f} us per step" for t in (step["kvpool"], step["vllm"])]
+    row(step["label"], cells, step["ratio"], _verdict(step["ratio"], target))
+    row("    kvpool step, in process", [cells[0], ""], None, _verdict(step["kvpool"], 100e-6, False))

@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import math
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 import orjson
 
+from benchmarks import report as results
 from benchmarks.http_client import make_transport
 from benchmarks.http_workload import Client, Geometry, Recorder
 from service.cli import free_port
@@ -78,17 +78,6 @@ def percentile(sorted_ms: list[float], q: float) -> float:
     return sorted_ms[rank - 1]
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def process_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a process (Linux /proc), None where unreadable."""
     try:
@@ -109,18 +98,18 @@ class Run:
     after: dict[str, Any]
 
 
-async def run_clients(url: str, args: argparse.Namespace, server_pid: int | None) -> Run:
+async def run_clients(url: str, args: argparse.Namespace, num_clients: int, server_pid: int | None) -> Run:
     """Drive the clients for the time (or request) budget; then each frees what it holds."""
     # One connection per client, as one frontend process would hold.
-    transports = [make_transport(args.client, url) for _ in range(args.clients)]
+    transports = [make_transport(args.client, url) for _ in range(num_clients)]
     try:
         status, body = await transports[0].send("GET", "/v1/pool")
         if status != 200:
             raise SystemExit(f"GET /v1/pool answered {status}: {body[:200]!r}")
         before = orjson.loads(body)
-        geometry = Geometry.from_pool(before, args.clients)
+        geometry = Geometry.from_pool(before, num_clients)
         recorder = Recorder()
-        per_client = max(1, args.max_requests // args.clients)
+        per_client = max(1, args.max_requests // num_clients)
         tag = uuid.uuid4().hex[:8]
         clients = [
             Client(i, t, geometry, recorder, random.Random(args.seed * 1000 + i), tag) for i, t in enumerate(transports)
@@ -157,17 +146,33 @@ def leak_checks(before: dict[str, Any], after: dict[str, Any], own_server: bool)
     ]
 
 
-def report(run: Run, checks: list[tuple[str, bool]]) -> bool:
-    """Print the figures and the verdicts; True when nothing leaked and nothing failed."""
+def figures(run: Run, num_clients: int) -> dict[str, Any]:
+    """Requests/s and p50/p99 of the run, overall and per route (what the JSON keeps)."""
     rec = run.recorder
     total = sum(len(v) for v in rec.latencies_ms.values())
     all_ms = sorted(ms for v in rec.latencies_ms.values() for ms in v)
-    rps = total / run.elapsed_s if run.elapsed_s > 0 else 0.0
-    print(f"{'route':<40} {'requests':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    routes = {}
     for route in sorted(rec.latencies_ms):
         ms = sorted(rec.latencies_ms[route])
-        print(f"{route:<40} {len(ms):>9} {percentile(ms, 50):>8.2f} {percentile(ms, 99):>8.2f}")
-    p50, p99 = percentile(all_ms, 50), percentile(all_ms, 99)
+        routes[route] = {"requests": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99)}
+    return {
+        "clients": num_clients,
+        "requests": total,
+        "seconds": run.elapsed_s,
+        "requests_per_s": total / run.elapsed_s if run.elapsed_s > 0 else 0.0,
+        "p50_ms": percentile(all_ms, 50),
+        "p99_ms": percentile(all_ms, 99),
+        "routes": routes,
+    }
+
+
+def report(run: Run, checks: list[tuple[str, bool]], num_clients: int) -> tuple[bool, dict[str, Any]]:
+    """Print the figures and the verdicts; True when nothing leaked and nothing failed, and the figures."""
+    rec, shown = run.recorder, figures(run, num_clients)
+    total, rps, p50, p99 = shown["requests"], shown["requests_per_s"], shown["p50_ms"], shown["p99_ms"]
+    print(f"{'route':<40} {'requests':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    for route, row in shown["routes"].items():
+        print(f"{route:<40} {row['requests']:>9} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}")
     print(f"{'all':<40} {total:>9} {p50:>8.2f} {p99:>8.2f}")
     print(f"throughput: {total} requests in {run.elapsed_s:.2f} s = {rps:.0f} requests/s")
     if total:
@@ -192,7 +197,8 @@ def report(run: Run, checks: list[tuple[str, bool]]) -> bool:
         print(f"  error: {example}")
     print(f"target {'PASS' if rps >= TARGET_RPS else 'MISS'}: {rps:.0f} requests/s >= {TARGET_RPS:.0f}")
     print(f"target {'PASS' if p99 < TARGET_P99_MS else 'MISS'}: p99 {p99:.2f} ms < {TARGET_P99_MS:.0f} ms (all routes)")
-    return all(ok for _, ok in checks)
+    ok = all(ok for _, ok in checks)
+    return ok, {**shown, "checks_passed": ok}
 
 
 def _client_loop() -> str:
@@ -205,24 +211,37 @@ def _client_loop() -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """One run per count of --clients (1,8,32: latency against load), all on the same server."""
     loop_name = _client_loop()
+    counts: list[int] = args.clients if isinstance(args.clients, list) else [args.clients]
     proc = None
     if args.url:
         url, where = args.url.rstrip("/"), f"the server at {args.url}"
     else:
         proc, url = start_server(args.num_pages)
         where = f"a separate process (`python -m service serve`, pid {proc.pid}) on {url}"
+    result = results.new_result("http", getattr(args, "argv", ["kvpool", "bench", "http"]))
+    result["runs"] = []
+    ok = True
     try:
-        budget = f"{args.seconds:g} s after {args.warmup:g} s of warm-up (at most {args.max_requests} requests)"
-        print(f"kvpool bench http: {args.clients} clients for {budget}")
-        print(f"server: {where}")
-        kind = f"{args.client} HTTP/1.1"
-        print(f"clients: {args.clients} asyncio tasks on {loop_name}, {kind}, in this process (pid {os.getpid()})")
-        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        print(f"machine: {cpu_model()}, {os.cpu_count()} cores shared by server and clients, load average {load}")
-        run = asyncio.run(run_clients(url, args, proc.pid if proc else None))
+        for i, num_clients in enumerate(counts):
+            if i:
+                print()
+            budget = f"{args.seconds:g} s after {args.warmup:g} s of warm-up (at most {args.max_requests} requests)"
+            print(f"kvpool bench http: {num_clients} clients for {budget}")
+            print(f"server: {where}")
+            kind = f"{args.client} HTTP/1.1"
+            print(f"clients: {num_clients} asyncio tasks on {loop_name}, {kind}, in this process (pid {os.getpid()})")
+            load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+            cores = f"{os.cpu_count()} cores shared by server and clients"
+            print(f"machine: {results.cpu_model()}, {cores}, load average {load}")
+            run = asyncio.run(run_clients(url, args, num_clients, proc.pid if proc else None))
+            passed, shown = report(run, leak_checks(run.before, run.after, own_server=proc is not None), num_clients)
+            ok = ok and passed
+            result["runs"].append(shown)
     finally:
         if proc is not None:
             stop_server(proc)
-    ok = report(run, leak_checks(run.before, run.after, own_server=proc is not None))
+    result["targets"] = {"requests_per_s": TARGET_RPS, "p99_ms": TARGET_P99_MS}
+    results.save(result, getattr(args, "json", None), getattr(args, "plot", None))
     return 0 if ok else 1

@@ -1,9 +1,9 @@
 """The two HTTP clients `kvpool bench http` can drive the server with.
 
 Client and server share the machine's cores, so every microsecond the client spends is taken from
-the server. httpx costs ~2 ms of CPU per request on the 2-core CI machine, about as much as the
-server's handling; the default "raw" client is a keep-alive HTTP/1.1 connection over asyncio
-streams, ~0.2 ms per request, so the figures measure the server rather than the load generator.
+the server. httpx costs about as much CPU per request as the server's handling; the default "raw"
+client, a keep-alive HTTP/1.1 connection over asyncio streams, costs a tenth of that, so the figures
+measure the server rather than the load generator (docs/benchmarks.md, "Figures behind the code").
 """
 
 import asyncio

@@ -5,7 +5,7 @@ working set is 4x the device pool, with the tiers and without.
 In process: a PoolState on the CPU (the server's own state: allocator, engine, tiers) driven as the
 routes drive it, and a redis-server subprocess on a free loopback port for the remote tier. The
 default geometry is the KV of the model `python -m benchmarks.vllm_connector` runs (8 layers, 4 KV
-heads of 64, float32; page 16): its prefill is the recompute time quoted (BENCHMARKS.md).
+heads of 64, float32; page 16): its prefill is the recompute time quoted (docs/benchmarks.md).
 """
 
 import argparse
@@ -25,12 +25,13 @@ import numpy as np
 import redis
 import torch
 
+from benchmarks import report
 from service.cli import free_port
 from service.config import Settings
 from service.server.state import PoolState
 from service.tiers.local import DiskTier
 
-# Prefill of the vLLM benchmark's model on this machine (BENCHMARKS.md, "vLLM with kvpool's KV connector":
+# Prefill of the vLLM benchmark's model on this machine (docs/benchmarks-history.md, "vLLM with kvpool's KV connector":
 # cold TTFT of 2,048 tokens 342-363 ms on an idle machine); linear in the prompt length at this size.
 PREFILL_MS_PER_TOKEN = 342 / 2048
 
@@ -286,7 +287,7 @@ class RedisProcess:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-async def run(a: argparse.Namespace) -> None:
+async def run(a: argparse.Namespace) -> dict[str, Any]:
     pages_per_prefix = a.prefix // a.page_size
     device_pages = a.device_prefixes * pages_per_prefix + 1  # (+1: the prompt's last token)
     work_pages = a.prefixes * pages_per_prefix
@@ -297,6 +298,14 @@ async def run(a: argparse.Namespace) -> None:
     print(f"prefix: {a.prefix} tokens = {pages_per_prefix} pages = {nbytes / 2**20:.1f} MiB; device pool")
     ratio = work_pages / device_pages
     print(f"  {device_pages} pages ({a.device_prefixes} prefixes); working set {a.prefixes} prefixes (x{ratio:.1f})")
+    result = report.new_result("tiers", getattr(a, "argv", ["kvpool", "bench", "tiers"]))
+    result |= {
+        "prefix_tokens": a.prefix,
+        "prefix_bytes": nbytes,
+        "working_set_ratio": ratio,
+        "tiers": [],
+        "hit_rate": {},
+    }
     store = RedisProcess()
     cluster: RedisProcess | None = None
     directory = tempfile.mkdtemp(prefix="kvpool-bench-tiers-")
@@ -317,6 +326,7 @@ async def run(a: argparse.Namespace) -> None:
         value_nbytes = probe.page_nbytes + 150  # the remote value: the page, its token ids, a header
         ceilings = Ceilings(nbytes, directory, store.url, value_nbytes, pages_per_prefix)
         recompute_ms = a.prefix * PREFILL_MS_PER_TOKEN
+        result["recompute_ms"] = recompute_ms
         print(f"\nrecompute: prefill of the vLLM benchmark's model, {a.prefix} tokens: {recompute_ms:.0f} ms")
         bench_gbs = redis_benchmark(store.port, value_nbytes, 4 * pages_per_prefix)
         if bench_gbs is not None:
@@ -350,34 +360,48 @@ async def run(a: argparse.Namespace) -> None:
                 figures = f"{mean_ms(restore):11.1f} {gbs:6.2f} {mean_ms(ceilings_s):11.1f} {share:10.0%}"
                 refs = [(nbytes / r / 1e9, g) for r, _, g in pairs if g]
                 extra = ""
+                row = {
+                    "name": name,
+                    "restore_ms": mean_ms(restore),
+                    "restore_gbs": gbs,
+                    "ceiling_ms": mean_ms(ceilings_s),
+                }
+                row |= {"ceiling_gbs": nbytes / statistics.fmean(ceilings_s) / 1e9, "of_ceiling": share}
+                row["vs_recompute"] = speedup
                 if refs:  # each restore against redis-benchmark run right after it
                     of_bench = statistics.median(mine / g for mine, g in refs)
                     ref_gbs = statistics.median(g for _, g in refs)
                     extra = f"   ({of_bench:.0%} of redis-benchmark at {ref_gbs:.2f} GB/s)"
+                    row |= {"reference_gbs": ref_gbs, "of_reference": of_bench}
+                result["tiers"].append(row)
                 print(f"{name:14} {figures} {speedup:12.1f}x{extra}")
                 on.flush()
         finally:
             ceilings.close()
         if not a.requests:
-            return
+            return result
         print(f"\nhit rate, {a.requests} uniform draws among {a.prefixes} prefixes (device pool: {a.device_prefixes}):")
         alone = await hit_rate(a, device_pages, {})
         print(f"  device pool alone: {alone:.1%}")
+        result["hit_rate"]["device alone"] = alone
         for name in (n for n in ("host", "disk", "remote") if n in names):
             rate = await hit_rate(a, device_pages, configs[name])
             ratio = f"{rate / alone:.1f}x" if alone else "inf"
             print(f"  with the {name} tier: {rate:.1%} ({ratio} the device alone)")
+            result["hit_rate"][name] = rate
             store.flush()
     finally:
         store.stop()
         if cluster is not None:
             cluster.stop()
         shutil.rmtree(directory, ignore_errors=True)
+    return result
 
 
 def main(a: argparse.Namespace) -> int:
     if a.quick:
         a.layers, a.prefix, a.repeat, a.requests = 2, 512, 2, 16
     torch.set_num_threads(1)
-    asyncio.run(run(a))
+    result = asyncio.run(run(a))
+    report.save(result, getattr(a, "json", None), getattr(a, "plot", None))
     return 0

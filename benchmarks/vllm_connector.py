@@ -18,7 +18,7 @@ before) finish: each request meets an idle engine. Every engine runs with glibc'
 The copies' rates (the K and V of every layer of the tokens moved, bytes counted once) are set against a
 torch copy of as many bytes in the same process, a ceiling that is not one number here, so three of them:
 on the engine's main thread, with vLLM's intra-op threads (the memory's bandwidth as more than one core
-draws it; it moves with the other core's load: 11-49 GB/s from run to run on a 2-core machine), and on
+draws it; it moves with the other core's load from run to run), and on
 the connector's thread, with one intra-op thread as its copies have, warm (best of 7 back to back: of the
 33 MB, a 32 MB last-level cache keeps part between repetitions) and cold (FLUSH_BYTES written before each
 repetition, as a load meets the pool in a step): a one-thread copy is judged by the last two. The
@@ -342,6 +342,8 @@ def main() -> None:
         help="fixed: every engine runs with glibc's malloc thresholds fixed (FIXED_MALLOC); glibc: its defaults",
     )  # fmt: skip
     parser.add_argument("--tp", type=int, default=1, help="> 1: the tensor parallel mode (vllm_connector_tp)")
+    parser.add_argument("--json", metavar="PATH", help="also write the TTFT figures to this JSON file")
+    parser.add_argument("--plot", metavar="PATH", help="also draw them into this image (needs matplotlib)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # JSON: this process is one engine (engine_main)
     args = parser.parse_args()
     if args.engine:
@@ -430,6 +432,26 @@ def ms(values: list[float]) -> str:
     return f"{1000 * v[len(v) // 2]:8.1f} ms ({1000 * v[0]:.1f}–{1000 * v[-1]:.1f})"
 
 
+def save_figures(args: argparse.Namespace, shown: Any, rounds: list[dict[str, Any]]) -> None:
+    """The TTFT and total figures (ms: median, min, max per system) to --json / --plot."""
+    from benchmarks import report as results
+
+    result = results.new_result("vllm-connector", ["python", "-m", "benchmarks.vllm_connector", *sys.argv[1:]])
+    result["model"] = {
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "dtype": args.dtype,
+        "prompt": args.prompt,
+        "new": args.new,
+    }
+    result["cpu_pressure_avg10"] = [row["pressure"] for row in rounds]
+    result["figures"] = [
+        {"label": label, "median_ms": 1000 * sorted(v)[len(v) // 2], "min_ms": 1000 * min(v), "max_ms": 1000 * max(v)}
+        for label, v in shown
+    ]
+    results.save(result, args.json, args.plot)
+
+
 def shares(rate: float, ceilings: dict[str, float]) -> str:
     """`rate` as a share of each ceiling."""
     return ", ".join(f"{rate / c:.0%} of {what}" for what, c in ceilings.items())
@@ -456,15 +478,17 @@ def report(
         for name in ("ttft_alone", "ttft_kvpool", "total_alone", "total_kvpool")
     }
     own, hit = [row["own_hit"]["s"] for row in rounds], [h["s"] for h in hits]
-    for label, values in (
+    ttfts = (
         ("TTFT, vLLM alone, cold (miss)", col["ttft_alone"]),
         ("TTFT, miss with the connector (saving)", col["ttft_kvpool"]),
         ("TTFT, vLLM's own prefix-cache hit", own),
         ("TTFT, fresh vLLM process, kvpool hit", hit),
         (f"total ({args.new} tokens), vLLM alone, miss", col["total_alone"]),
         (f"total ({args.new} tokens), miss with the connector", col["total_kvpool"]),
-    ):
+    )
+    for label, values in ttfts:
         print(f"  {label:48s} {ms(values)}")
+    save_figures(args, ttfts, rounds)
     print(f"  cached tokens: kvpool hits {sorted({h['cached'] for h in hits})}, own hits "
           f"{sorted({row['own_hit']['cached'] for row in rounds})}")  # fmt: skip
     ratio = {key: [row[f"{key}_kvpool"]["s"] / row[f"{key}_alone"]["s"] for row in rounds] for key in ("ttft", "total")}

@@ -9,12 +9,15 @@ the dot products (scores × k_scale per key, probabilities × v_scale per key), 
 is dequantized in registers with its per-channel-group scales before the dot.
 """
 
-import math
 import os
+from typing import Unpack
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.checks import ragged_output
+from kernels.options import AttendOptions, attend_options
 
 LOG2E = 1.4426950408889634
 
@@ -147,11 +150,9 @@ def paged_attention_fp8(
     query_start_loc: torch.Tensor,
     *,
     max_q_len: int | None = None,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     block_n: int = 32,
     out: torch.Tensor | None = None,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor:
     """Causal paged GQA attention. q: [T, Hq, D] -> [T, Hq, D] in q's dtype.
 
@@ -163,20 +164,14 @@ def paged_attention_fp8(
     is_fp8 = blocks.dtype == torch.float8_e4m3fn
     assert is_fp8 == (scales is not None), "scales come with an FP8 pool, and only with one"
     assert blocks.dim() == 6 and blocks.shape[1] == 2 and blocks.stride(-1) == 1
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    scale, sliding_window, softcap = attend_options(options, head_dim)
     num_kv_heads = blocks.shape[4]
     assert head_dim == blocks.shape[5] and num_q_heads % num_kv_heads == 0 and q.stride(-1) == 1
     assert q.dtype in DOT_DTYPES and 0 <= layer < blocks.shape[2]
-    batch = cache_lengths.shape[0]
-    assert query_start_loc.shape == (batch + 1,) and lookup_table.shape[0] == batch
-    expected = (num_tokens, num_q_heads, head_dim)
-    if out is None:
-        out = torch.empty(expected, dtype=q.dtype, device=q.device)
-    assert out.shape == expected and out.dtype == q.dtype and out.stride(-1) == 1
-    if batch == 0 or num_tokens == 0:
+    out, batch, max_q_len = ragged_output(q, lookup_table, cache_lengths, query_start_loc, out, head_dim, max_q_len)
+    if max_q_len == 0:
         return out
-    if max_q_len is None:
-        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     group = num_q_heads // num_kv_heads
     block_m = 1 if max_q_len == 1 else max(1, 64 // triton.next_power_of_2(group))
     block_h = max(triton.next_power_of_2(group), 16 // block_m)  # tl.dot wants M >= 16
@@ -199,7 +194,7 @@ def paged_attention_fp8(
         *layer_blocks.stride()[:4],
         *layer_scales.stride()[:4],
         lookup_table.stride(0),
-        1.0 / math.sqrt(head_dim) if scale is None else scale,
+        scale,
         softcap or 1.0,
         sliding_window or 0,
         GROUP=group,

@@ -1,17 +1,18 @@
 """The CPU serving path: decode attention as one set of torch ops for the whole batch, and K/V stores.
 
 `paged_attention_ref` loops over the sequences, a dozen small torch ops each; on the CPU the op
-overhead, not the arithmetic, is the cost of a decode step (`kvpool bench http`: ~1 ms of server CPU
-for an attend over 4 sequences). Here the batch's pages are gathered at once, padded to the longest
+overhead, not the arithmetic, is the cost of a decode step (`kvpool bench http`; docs/benchmarks.md,
+"Figures behind the code"). Here the batch's pages are gathered at once, padded to the longest
 sequence, and the padding masked out; prefill batches (several queries per sequence) still go through
 the per-sequence reference. Same conventions and results as kernels/reference.py (attention to
 rounding, stores exactly).
 """
 
-import math
+from typing import Unpack
 
 import torch
 
+from kernels.options import AttendOptions, attend_options
 from kernels.reference import paged_attention_ref, store_kv_ref
 
 
@@ -28,22 +29,14 @@ def paged_attention_batched(
     lookup_table: torch.Tensor,
     cache_lengths: torch.Tensor,
     query_start_loc: torch.Tensor,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor:
     """paged_attention_ref's result (q: [T, Hq, D] -> [T, Hq, D]); batched when every sequence has one query."""
     if not one_query_per_sequence(q, query_start_loc):
-        out = paged_attention_ref(
-            q, blocks, layer, lookup_table, cache_lengths, query_start_loc,
-            scale=scale, sliding_window=sliding_window, softcap=softcap,
-        )  # fmt: skip
+        out = paged_attention_ref(q, blocks, layer, lookup_table, cache_lengths, query_start_loc, **options)
         assert isinstance(out, torch.Tensor)
         return out
-    return paged_decode_batched(
-        q, blocks, layer, lookup_table, cache_lengths, scale=scale, sliding_window=sliding_window, softcap=softcap
-    )
+    return paged_decode_batched(q, blocks, layer, lookup_table, cache_lengths, **options)
 
 
 def paged_decode_batched(
@@ -52,16 +45,13 @@ def paged_decode_batched(
     layer: int,
     lookup_table: torch.Tensor,
     cache_lengths: torch.Tensor,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor:
     """One query per sequence at position cache_lengths[b]. q: [B, Hq, D] -> [B, Hq, D] (q's dtype)."""
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = blocks.shape[3], blocks.shape[4]
     group = num_q_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scale, sliding_window, softcap = attend_options(options, head_dim)
     if batch == 0:
         return torch.empty_like(q)
     positions = [int(c) for c in cache_lengths.tolist()]  # each query's position; it sees 0..position

@@ -7,12 +7,13 @@ calls cost ~10x the arithmetic. The compiled decode reads each K/V row it needs 
 """
 
 import importlib
-import math
 from types import ModuleType
+from typing import Unpack
 
 import torch
 
 from kernels.batched_reference import one_query_per_sequence, paged_attention_batched
+from kernels.options import AttendOptions, attend_options
 
 native: ModuleType | None
 try:
@@ -46,10 +47,7 @@ def paged_decode_compiled(
     layer: int,
     lookup_table: torch.Tensor,
     cache_lengths: torch.Tensor,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor:
     """One query per sequence at position cache_lengths[b]. q: [B, Hq, D] -> [B, Hq, D] (q's dtype).
 
@@ -58,7 +56,7 @@ def paged_decode_compiled(
     """
     if native is None:
         raise RuntimeError("kernels/_cpu_decode.c is not built: run `pip install -e .`")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale, sliding_window, softcap = attend_options(options, q.shape[-1])
     qf = q.detach().to(torch.float32).contiguous()
     out = torch.empty_like(qf)
     positions = cache_lengths.to(torch.int64).contiguous().numpy()
@@ -84,18 +82,11 @@ def paged_attention_cpu(
     lookup_table: torch.Tensor,
     cache_lengths: torch.Tensor,
     query_start_loc: torch.Tensor,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor:
     """kernels.reference.paged_attention_ref's result (q: [T, Hq, D] -> [T, Hq, D]), compiled where it can be."""
+    _, sliding_window, softcap = attend_options(options, q.shape[-1])
     plain = (softcap is None or softcap > 0) and (sliding_window is None or sliding_window >= 0)
     if plain and compiled_decode_applies(q, blocks, query_start_loc):
-        return paged_decode_compiled(
-            q, blocks, layer, lookup_table, cache_lengths, scale=scale, sliding_window=sliding_window, softcap=softcap
-        )
-    return paged_attention_batched(
-        q, blocks, layer, lookup_table, cache_lengths, query_start_loc,
-        scale=scale, sliding_window=sliding_window, softcap=softcap,
-    )  # fmt: skip
+        return paged_decode_compiled(q, blocks, layer, lookup_table, cache_lengths, **options)
+    return paged_attention_batched(q, blocks, layer, lookup_table, cache_lengths, query_start_loc, **options)

@@ -6,22 +6,14 @@ with few sequences are split into NUM_SPLITS segments (a fixed number per launch
 exit at once) whose partial outputs and log-sum-exps a second kernel merges.
 """
 
-import math
+from typing import Unpack
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
-    as_index,
-    check_block,
-    check_blocks,
-    check_devices,
-    check_float,
-    check_layer,
-    dot_settings,
-    next_pow2,
-)
+from kernels.checks import check_block, check_paged_args, dot_settings, kernel_options, next_pow2, output_buffers
+from kernels.options import AttendOptions
 from kernels.paged import LN2, LOG2E, NO_WINDOW, _dot, _kv_row_offsets, _softcap
 
 MAX_SPLITS = 32
@@ -198,9 +190,6 @@ def paged_decode(
     lookup_table: torch.Tensor,
     cache_lengths: torch.Tensor,
     *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -208,6 +197,7 @@ def paged_decode(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hq, D] at position cache_lengths[b] -> out [B, Hq, D] (q's dtype) [, lse [B, Hq] fp32].
 
@@ -215,33 +205,17 @@ def paged_decode(
     `out`/`lse` may be given to write into; `num_splits` (a power of 2 up to 32), `block_n`,
     `num_warps` and `num_stages` override the tuned choices (benchmarks.kernels.bench --tune sweeps them).
     """
-    num_pages, num_layers, page_size, num_kv_heads, head_dim = check_blocks(blocks)
-    check_layer(layer, num_layers)
-    check_float("q", q, (None, None, head_dim), blocks.dtype)
-    batch, num_q_heads = q.shape[0], q.shape[1]
-    if num_q_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"q has {num_q_heads} heads, not a positive multiple of num_kv_heads={num_kv_heads}")
-    lut = as_index("lookup_table", lookup_table, 2, batch)
-    cache_lengths = as_index("cache_lengths", cache_lengths, 1, batch)
-    check_devices(blocks, q=q, lookup_table=lut, cache_lengths=cache_lengths)
-    if out is None:
-        out = torch.empty_like(q)
-    check_float("out", out, tuple(q.shape), q.dtype)
-    if return_lse:
-        lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device) if lse is None else lse
-        if lse.shape != (batch, num_q_heads) or lse.dtype != torch.float32 or (lse.numel() and lse.stride(1) != 1):
-            raise ValueError(f"lse must be float32 [{batch}, {num_q_heads}] with stride 1 last")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, not {sliding_window}")
-    if softcap is not None and softcap <= 0:
-        raise ValueError(f"softcap must be > 0, not {softcap}")
-    splits = num_splits or pick_num_splits(batch, num_kv_heads, q.device)
+    a = check_paged_args(q, blocks, layer, lookup_table, cache_lengths)
+    out, lse = output_buffers(q, out, lse, return_lse)
+    scale, softcap, window, use_softcap = kernel_options(options, a.head_dim, NO_WINDOW)
+    batch, num_q_heads, head_dim = a.batch, a.num_q_heads, a.head_dim
+    splits = num_splits or pick_num_splits(batch, a.num_kv_heads, q.device)
     if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of 2 in [1, {MAX_SPLITS}], not {splits}")
     if batch == 0:
         return (out, lse) if return_lse and lse is not None else out
 
-    group = num_q_heads // num_kv_heads
+    group = num_q_heads // a.num_kv_heads
     block_d = max(16, next_pow2(head_dim))
     on_gpu = q.device.type == "cuda"
     block_n = check_block("block_n", block_n or 64)
@@ -252,20 +226,18 @@ def paged_decode(
     else:
         part_o = part_lse = out  # unused
     sb = blocks.stride()
-    _decode_kernel[(batch, num_kv_heads, splits)](
-        q, blocks, lut, cache_lengths, out, lse_arg, part_o, part_lse,
-        layer, num_pages, lut.shape[1],
-        1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-        float(softcap or 1.0),
-        min(sliding_window or NO_WINDOW, NO_WINDOW),
+    _decode_kernel[(batch, a.num_kv_heads, splits)](
+        q, blocks, a.lookup_table, a.cache_lengths, out, lse_arg, part_o, part_lse,
+        layer, a.num_pages, a.lookup_table.shape[1],
+        scale, softcap, window,
         q.stride(0), q.stride(1),
         sb[0], sb[1], sb[2], sb[3], sb[4],
-        lut.stride(0),
+        a.lookup_table.stride(0),
         out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0,
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=a.page_size,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=splits, USE_SOFTCAP=bool(softcap), RETURN_LSE=return_lse,
+        NUM_SPLITS=splits, USE_SOFTCAP=use_softcap, RETURN_LSE=return_lse,
         **dot_settings(blocks.dtype, q.device),
         num_warps=num_warps or 4, num_stages=num_stages or (3 if on_gpu else 1),
     )  # fmt: skip

@@ -6,14 +6,16 @@ loaded once, as its first R channels (the values, and the no-rope part of the ke
 channels; scores = q[:, :R]·c^T + q[:, R:]·r^T, and the same c tile is the value tile of p·c.
 """
 
-import math
 import os
+from typing import Unpack
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention_fp8 import DOT_DTYPES
+from kernels.checks import ragged_output
+from kernels.options import AttendOptions, attend_options
 
 
 @triton.jit
@@ -165,27 +167,19 @@ def mla_attention(
     kv_lora_rank: int,
     *,
     max_q_len: int | None = None,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     block_n: int = 32,
     out: torch.Tensor | None = None,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor:
     """Causal MLA. q: [T, Hq, D] -> [T, Hq, kv_lora_rank] in q's dtype; scale default 1/sqrt(D)."""
     assert blocks.dim() == 6 and blocks.shape[1] == 1 and blocks.shape[4] == 1 and blocks.stride(-1) == 1
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    scale, sliding_window, softcap = attend_options(options, head_dim)
     assert head_dim == blocks.shape[5] and 0 < kv_lora_rank < head_dim and q.stride(-1) == 1
     assert q.dtype in DOT_DTYPES and 0 <= layer < blocks.shape[2]
-    batch = cache_lengths.shape[0]
-    assert query_start_loc.shape == (batch + 1,) and lookup_table.shape[0] == batch
-    expected = (num_tokens, num_q_heads, kv_lora_rank)
-    if out is None:
-        out = torch.empty(expected, dtype=q.dtype, device=q.device)
-    assert out.shape == expected and out.dtype == q.dtype and out.stride(-1) == 1
-    if batch == 0 or num_tokens == 0:
+    out, batch, max_q_len = ragged_output(q, lookup_table, cache_lengths, query_start_loc, out, kv_lora_rank, max_q_len)
+    if max_q_len == 0:
         return out
-    if max_q_len is None:
-        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_h = min(16, triton.next_power_of_2(num_q_heads))
     block_m = 1 if max_q_len == 1 else max(1, 32 // block_h)
     block_h = max(block_h, 16 // block_m)  # tl.dot wants M >= 16
@@ -207,7 +201,7 @@ def mla_attention(
         latents.stride(0),
         latents.stride(1),
         lookup_table.stride(0),
-        1.0 / math.sqrt(head_dim) if scale is None else scale,
+        scale,
         softcap or 1.0,
         sliding_window or 0,
         NUM_Q_HEADS=num_q_heads,

@@ -7,22 +7,14 @@ head, packed as BLOCK_M = BLOCK_Q * GROUP (padded) rows of one tl.dot, so each K
 once for the whole GQA group.
 """
 
-import math
+from typing import Unpack
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
-    as_index,
-    check_block,
-    check_blocks,
-    check_devices,
-    check_float,
-    check_layer,
-    dot_settings,
-    next_pow2,
-)
+from kernels.checks import check_block, check_paged_args, dot_settings, kernel_options, next_pow2, output_buffers
+from kernels.options import AttendOptions
 from kernels.paged import LN2, LOG2E, NO_WINDOW, _dot, _kv_row_offsets, _softcap
 
 
@@ -211,9 +203,6 @@ def paged_prefill(
     cache_lengths: torch.Tensor,
     query_start_loc: torch.Tensor,
     *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -221,38 +210,22 @@ def paged_prefill(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D] -> out [T, Hq, D] (q's dtype) [, lse [T, Hq] fp32]; see kernels.reference.paged_attention_ref.
 
     `out`/`lse` may be given to write into; `block_m` (rows = query tokens x GQA group, a power of 2),
     `block_n`, `num_warps` and `num_stages` override the tuned choices (benchmarks.kernels.bench --tune sweeps them).
     """
-    num_pages, num_layers, page_size, num_kv_heads, head_dim = check_blocks(blocks)
-    check_layer(layer, num_layers)
-    check_float("q", q, (None, None, head_dim), blocks.dtype)
-    num_tokens, num_q_heads = q.shape[0], q.shape[1]
-    if num_q_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"q has {num_q_heads} heads, not a positive multiple of num_kv_heads={num_kv_heads}")
-    cache_lengths = as_index("cache_lengths", cache_lengths, 1)
-    batch = cache_lengths.shape[0]
-    query_start_loc = as_index("query_start_loc", query_start_loc, 1, batch + 1)
-    lut = as_index("lookup_table", lookup_table, 2, batch)
-    check_devices(blocks, q=q, lookup_table=lut, cache_lengths=cache_lengths, query_start_loc=query_start_loc)
-    if out is None:
-        out = torch.empty_like(q)
-    check_float("out", out, tuple(q.shape), q.dtype)
-    if return_lse:
-        lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device) if lse is None else lse
-        if lse.shape != (num_tokens, num_q_heads) or lse.dtype != torch.float32 or (lse.numel() and lse.stride(1) != 1):
-            raise ValueError(f"lse must be float32 [{num_tokens}, {num_q_heads}] with stride 1 last")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, not {sliding_window}")
-    if softcap is not None and softcap <= 0:
-        raise ValueError(f"softcap must be > 0, not {softcap}")
+    a = check_paged_args(q, blocks, layer, lookup_table, cache_lengths, query_start_loc)
+    assert a.query_start_loc is not None
+    out, lse = output_buffers(q, out, lse, return_lse)
+    scale, softcap, window, use_softcap = kernel_options(options, a.head_dim, NO_WINDOW)
+    num_tokens, batch, head_dim = q.shape[0], a.batch, a.head_dim
     if num_tokens == 0 or batch == 0:
         return (out, lse) if return_lse and lse is not None else out
 
-    group = num_q_heads // num_kv_heads
+    group = a.num_q_heads // a.num_kv_heads
     tuned_m, tuned_n, tuned_warps, tuned_stages = _tile_shape(group, head_dim, q.device.type == "cuda")
     block_m = block_m or tuned_m
     if block_m < 16 or block_m & (block_m - 1) or block_m < group:
@@ -260,21 +233,19 @@ def paged_prefill(
     block_n = check_block("block_n", block_n or tuned_n)
     block_q = block_m // group
     sb = blocks.stride()
-    grid = (-(-num_tokens // block_q) + batch, num_kv_heads)
+    grid = (-(-num_tokens // block_q) + batch, a.num_kv_heads)
     _prefill_kernel[grid](
-        q, blocks, lut, cache_lengths, query_start_loc, out, lse if lse is not None else out,
-        layer, batch, num_pages, lut.shape[1],
-        1.0 / math.sqrt(head_dim) if scale is None else float(scale),
-        float(softcap or 1.0),
-        min(sliding_window or NO_WINDOW, NO_WINDOW),
+        q, blocks, a.lookup_table, a.cache_lengths, a.query_start_loc, out, lse if lse is not None else out,
+        layer, batch, a.num_pages, a.lookup_table.shape[1],
+        scale, softcap, window,
         q.stride(0), q.stride(1),
         sb[0], sb[1], sb[2], sb[3], sb[4],
-        lut.stride(0),
+        a.lookup_table.stride(0),
         out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0,
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=a.page_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=block_n,
-        BLOCK_B=next_pow2(batch + 1), USE_SOFTCAP=bool(softcap), RETURN_LSE=return_lse,
+        BLOCK_B=next_pow2(batch + 1), USE_SOFTCAP=use_softcap, RETURN_LSE=return_lse,
         **dot_settings(blocks.dtype, q.device),
         num_warps=num_warps or tuned_warps, num_stages=num_stages or tuned_stages,
     )  # fmt: skip

@@ -9,10 +9,11 @@ Conventions shared with the Triton kernels:
                 at positions cache_lengths[i] + j; each attends causally to positions <= its own.
 """
 
-import math
-from typing import Any
+from typing import Any, Unpack
 
 import torch
+
+from kernels.options import AttendOptions, attend_options
 
 
 def store_kv_ref(
@@ -70,10 +71,8 @@ def paged_attention_ref(
     cache_lengths: torch.Tensor,
     query_start_loc: torch.Tensor,
     *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     return_lse: bool = False,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal paged attention with GQA. q: [T, Hq, D] -> out [T, Hq, D] (q's dtype), lse [T, Hq] fp32.
 
@@ -84,7 +83,7 @@ def paged_attention_ref(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = blocks.shape[4]
     group = num_q_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scale, sliding_window, softcap = attend_options(options, head_dim)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     starts = query_start_loc.tolist()

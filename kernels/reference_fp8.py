@@ -9,8 +9,11 @@ scale dtype; fp8 = round-to-nearest-even(x / scale), saturated to ±448. A group
 0 and values 0 (no 0/0).
 """
 
+from typing import Unpack
+
 import torch
 
+from kernels.options import AttendOptions
 from kernels.reference import paged_attention_ref
 
 FP8_MAX = 448.0
@@ -72,10 +75,10 @@ def paged_attention_fp8_ref(
     lookup_table: torch.Tensor,
     cache_lengths: torch.Tensor,
     query_start_loc: torch.Tensor,
-    **kwargs: float | int | None,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor:
     """paged_attention_ref over the dequantized pages of `layer`. q: [T, Hq, D] -> [T, Hq, D]."""
     pages = dequantize_fp8(blocks[:, :, layer], scales[:, :, layer])  # [N+1, 2, P, H, D] fp32
-    out = paged_attention_ref(q, pages.unsqueeze(2), 0, lookup_table, cache_lengths, query_start_loc, **kwargs)  # type: ignore[arg-type]
+    out = paged_attention_ref(q, pages.unsqueeze(2), 0, lookup_table, cache_lengths, query_start_loc, **options)
     assert isinstance(out, torch.Tensor)
     return out

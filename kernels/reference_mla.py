@@ -6,8 +6,11 @@ q       [T, Hq, D]: queries already absorbed into the latent space (q_nope·W_UK
 scores  q · latent over all D channels; values = latent[:, :kv_lora_rank]; out [T, Hq, kv_lora_rank].
 """
 
+from typing import Unpack
+
 import torch
 
+from kernels.options import AttendOptions
 from kernels.reference import paged_attention_ref
 
 
@@ -35,7 +38,7 @@ def mla_attention_ref(
     cache_lengths: torch.Tensor,
     query_start_loc: torch.Tensor,
     kv_lora_rank: int,
-    **kwargs: float | int | None,
+    **options: Unpack[AttendOptions],
 ) -> torch.Tensor:
     """Causal MLA decode/prefill. q: [T, Hq, D] -> [T, Hq, kv_lora_rank] in q's dtype.
 
@@ -44,6 +47,6 @@ def mla_attention_ref(
     """
     latent = blocks[:, :, layer : layer + 1]  # [N+1, 1, 1, P, 1, D]
     kv = latent.expand(-1, 2, -1, -1, -1, -1)  # K = V = latent, a view
-    out = paged_attention_ref(q, kv, 0, lookup_table, cache_lengths, query_start_loc, **kwargs)  # type: ignore[arg-type]
+    out = paged_attention_ref(q, kv, 0, lookup_table, cache_lengths, query_start_loc, **options)
     assert isinstance(out, torch.Tensor)
     return out[..., :kv_lora_rank].contiguous()

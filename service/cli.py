@@ -93,6 +93,17 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _counts(text: str) -> list[int]:
+    """`32` or `1,8,32`: positive counts."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count or a comma-separated list of counts: {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"counts must be at least 1: {text!r}")
+    return counts
+
+
 def benchmark(name: str) -> Any:
     """benchmarks.<name>, imported on demand: the benchmarks live beside the packages in a checkout
     (an editable install) and are not part of the wheel or the image."""
@@ -106,6 +117,12 @@ def benchmark(name: str) -> Any:
         raise SystemExit("kvpool bench needs the benchmarks/ folder of a kvpool checkout (pip install -e .)")
     sys.path.insert(0, str(checkout))
     return importlib.import_module(f"benchmarks.{name}")
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    """A benchmark's figures as JSON and drawn (benchmarks/report.py, benchmarks/plots.py)."""
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
+    parser.add_argument("--plot", metavar="PATH", help="also draw them into this image (.png, .svg; needs matplotlib)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,16 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     alloc = bench_sub.add_parser("alloc", help="allocator throughput and step latency (in process and HTTP)")
     alloc.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     alloc.add_argument("--peers", action="store_true", help="side by side with vLLM's KVCacheManager (needs vllm)")
+    _add_output_flags(alloc)
     alloc.set_defaults(func=lambda a: benchmark("alloc").main(a))
     http = bench_sub.add_parser("http", help="concurrent clients against one server: requests/s, latency, leaks")
     http.add_argument("--url", help="target this server instead of starting one (e.g. http://127.0.0.1:8000)")
-    http.add_argument("--clients", type=int, default=32)
+    http.add_argument(
+        "--clients", type=_counts, default=[32], help="concurrent clients; a list (1,8,32) runs each in turn"
+    )
     http.add_argument("--seconds", type=float, default=20.0, help="how long the clients run (after the warm-up)")
     http.add_argument("--warmup", type=float, default=2.0, help="seconds of requests not counted in the figures")
     http.add_argument("--max-requests", type=int, default=1_000_000, help="stop early after this many requests")
     http.add_argument("--num-pages", type=int, default=1024, help="pool size of the server this command starts")
     http.add_argument("--seed", type=int, default=0)
     http.add_argument("--client", choices=["raw", "httpx"], default="raw", help="raw: keep-alive HTTP/1.1 on asyncio")
+    _add_output_flags(http)
     http.set_defaults(func=lambda a: benchmark("http").main(a))
     tiers = bench_sub.add_parser("tiers", help="restores from host, disk and remote tiers; hit rate with them")
     tiers.add_argument("--layers", type=int, default=8)
@@ -151,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         help="which to time, comma-separated: host, disk, remote, remote-redispy (its reads through redis-py), "
         "remote-cluster (a 3-node Redis Cluster on loopback)",
     )
+    _add_output_flags(tiers)
     tiers.set_defaults(func=lambda a: benchmark("tiers").main(a))
 
     match = bench_sub.add_parser("match", help="POST /v1/prefix/match: p50 in process and over HTTP")
@@ -162,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     match.set_defaults(func=lambda a: benchmark("match").main(a))
 
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    args.argv = ["kvpool", *argv]  # the command a benchmark's JSON names
     result: int = args.func(args)
     return result
 

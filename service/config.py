@@ -172,11 +172,14 @@ class Settings(BaseSettings):
     kv_events_replay_endpoint: str = Field("", description="ZeroMQ ROUTER endpoint answering replay requests")
     kv_events_topic: str = Field("", max_length=1024, description="topic frame of every KV event message")
     kv_events_buffer: int = Field(10_000, ge=1, le=10_000_000, description="KV event batches kept for replay")
+    kv_events_buffer_bytes: int = Field(
+        64 << 20, ge=1, le=1 << 40, description="bytes of KV event batches (their payloads) kept for replay"
+    )
     kv_events_queue: int = Field(
         100_000, ge=1, le=10_000_000, description="KV events waiting for the publisher thread; past it, dropped"
     )
     kv_events_hash_format: Literal["bytes", "int"] = Field(
-        "bytes", description="block hashes as 32 bytes, or as vLLM's int (the last 8 bytes, big-endian)"
+        "int", description="block hashes as vLLM's int (the last 8 bytes, big-endian; its default), or as 32 bytes"
     )
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,21 +23,26 @@ QUICK_DECODE, QUICK_PREFILL = [(1, 32768), (64, 4096)], [(4, 0, 2048), (4, 4096,
 PAGE_SIZES = [16, 128]
 
 
+Timer = Callable[[Callable[[], Any]], float]
+
+
 def median_ms(fn: Any) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def copy_bandwidth(device: torch.device) -> float:
+def copy_bandwidth(device: torch.device, timer: Timer = median_ms, numel: int = 2**28) -> float:
     """GB/s of a 1 GiB device-to-device copy, counting bytes read + written."""
-    src = torch.randn(2**28, device=device)
+    src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
+    ms = timer(lambda: dst.copy_(src))
     return 2 * src.nbytes / ms / 1e6
 
 
-def decode_row(batch: int, ctx: int, page_size: int, copy_gbs: float) -> dict[str, Any]:
+def decode_row(
+    batch: int, ctx: int, page_size: int, copy_gbs: float, dev: torch.device | None = None, timer: Timer = median_ms
+) -> dict[str, Any]:
     """One decode shape: ours, the gather + SDPA a user without paging would run, FlashInfer."""
     from benchmarks.kernels.peers import (
         DTYPE,
@@ -51,23 +57,23 @@ def decode_row(batch: int, ctx: int, page_size: int, copy_gbs: float) -> dict[st
     )
     from kernels.decode import paged_decode
 
-    dev = torch.device("cuda")
+    dev = dev or torch.device("cuda")
     case = make_case(batch, ctx, page_size, dev)
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
     cache_lengths = torch.full((batch,), ctx - 1, dtype=torch.int32, device=dev)  # the query is token ctx
     out = torch.empty_like(q)
-    ms = median_ms(lambda: paged_decode(q, case.blocks, 0, case.lookup_table, cache_lengths, out=out))
+    ms = timer(lambda: paged_decode(q, case.blocks, 0, case.lookup_table, cache_lengths, out=out))
     gbs = decode_bytes(batch, ctx) / ms / 1e6
     row: dict[str, Any] = {"kernel": "decode", "page": page_size, "batch": batch, "ctx": ctx, "us": ms * 1e3}
     row |= {"GB/s": gbs, "pct_copy": 100 * gbs / copy_gbs}
     k, v = gather_contiguous(case)
-    row["gather_us"] = median_ms(lambda: gather_contiguous(case)) * 1e3
+    row["gather_us"] = timer(lambda: gather_contiguous(case)) * 1e3
     q4 = q[:, :, None, :]  # [B, Hq, 1, D]
     fn, note = sdpa_peer(q4, k, v, causal=False)
-    row["sdpa_us"] = median_ms(fn) * 1e3 if fn else note
+    row["sdpa_us"] = timer(fn) * 1e3 if fn else note
     row["sdpa_note"] = note
     fn, why = try_peer(lambda: flashinfer_decode(case, q))
-    row["flashinfer_us"] = median_ms(fn) * 1e3 if fn else why
+    row["flashinfer_us"] = timer(fn) * 1e3 if fn else why
     return row
 
 
@@ -97,7 +103,9 @@ def bench_decode(shapes: list[tuple[int, int]], copy_gbs: float, rows: list[dict
                 print(f"{'':<8}  sdpa: {r['sdpa_note']}")
 
 
-def prefill_row(batch: int, prefix: int, new: int, page_size: int) -> dict[str, Any]:
+def prefill_row(
+    batch: int, prefix: int, new: int, page_size: int, dev: torch.device | None = None, timer: Timer = median_ms
+) -> dict[str, Any]:
     """One prefill shape: ours and, without a prefix (where SDPA's causal mask means the same), SDPA."""
     from benchmarks.kernels.peers import (
         DTYPE,
@@ -110,13 +118,13 @@ def prefill_row(batch: int, prefix: int, new: int, page_size: int) -> dict[str, 
     )
     from kernels.prefill import paged_prefill
 
-    dev = torch.device("cuda")
+    dev = dev or torch.device("cuda")
     case = make_case(batch, prefix + new, page_size, dev)
     q = torch.randn(batch * new, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
     cache_lengths = torch.full((batch,), prefix, dtype=torch.int32, device=dev)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev) * new
     out = torch.empty_like(q)
-    ms = median_ms(lambda: paged_prefill(q, case.blocks, 0, case.lookup_table, cache_lengths, qsl, out=out))
+    ms = timer(lambda: paged_prefill(q, case.blocks, 0, case.lookup_table, cache_lengths, qsl, out=out))
     flops = prefill_flops(batch, prefix, new)
     row: dict[str, Any] = {"kernel": "prefill", "page": page_size, "batch": batch, "prefix": prefix, "new": new}
     row |= {"ms": ms, "TFLOP/s": flops / ms / 1e9, "sdpa_TFLOP/s": "n/a: SDPA's causal mask is top-left aligned"}
@@ -124,7 +132,7 @@ def prefill_row(batch: int, prefix: int, new: int, page_size: int) -> dict[str, 
         k, v = gather_contiguous(case)
         q4 = q.view(batch, new, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)  # [B, Hq, new, D]
         fn, note = sdpa_peer(q4, k, v, causal=True)
-        row["sdpa_TFLOP/s"] = flops / median_ms(fn) / 1e9 if fn else note
+        row["sdpa_TFLOP/s"] = flops / timer(fn) / 1e9 if fn else note
         row["sdpa_note"] = note
     return row
 

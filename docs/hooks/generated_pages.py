@@ -38,7 +38,9 @@ def openapi_schema() -> dict[str, Any]:
     try:
         return app.openapi()
     finally:
-        app.state.pool.close()
+        state = getattr(app.state, "pool", None)  # the pool the app built (its lifespan never ran)
+        if state is not None:
+            state.close()
 
 
 def on_files(files: Files, config: Any) -> Files:

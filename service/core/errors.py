@@ -55,6 +55,23 @@ class AttendTooLarge(InvalidRequest):
         self.limit = limit
 
 
+class NonFiniteOutput(InvalidRequest):
+    """An attend whose output is not finite: q . k (times the scale) overflows, or the pool holds values out of
+    range at the sequences' positions (written through the mapped pool, or too large for the pool's dtype).
+    Refused after the attention, with the attend's own K/V put back as they were: nothing is written."""
+
+    code = "non_finite_output"
+    detail_fields = ("layer", "seq_ids")
+
+    def __init__(self, layer: int, seq_ids: list[str], cause: str) -> None:
+        super().__init__(
+            f"the attention output of layer {layer} is not finite for {', '.join(map(repr, seq_ids))}: {cause}; "
+            "nothing was written"
+        )
+        self.layer = layer
+        self.seq_ids = seq_ids
+
+
 class SequenceNotFound(KVPoolError):
     code = "sequence_not_found"
     detail_fields = ("seq_id",)

@@ -15,23 +15,18 @@ TRITON_INTERPRET for a CPU pool: Triton reads it when @triton.jit decorates.
 """
 
 import os
-from typing import Literal, Protocol, TypedDict, Unpack, cast
+from typing import Literal, Protocol, Unpack, cast
 
 import torch
 
 from kernels.batched_reference import one_query_per_sequence, paged_attention_batched, store_kv_direct
 from kernels.cpu_decode import paged_attention_cpu
+from kernels.options import AttendOptions
 from kernels.reference_fp8 import paged_attention_fp8_ref, store_kv_fp8_ref
 from kernels.reference_mla import mla_attention_ref, store_latent_ref
 from service.engine.storage import Storage
 
 BackendName = Literal["triton", "cpu", "torch"]
-
-
-class AttendOptions(TypedDict, total=False):
-    scale: float | None  # None: 1 / sqrt(head_dim)
-    sliding_window: int | None  # W: a query at position p sees (p - W, p]
-    softcap: float | None  # c: logits become c * tanh(s / c)
 
 
 class Backend(Protocol):

@@ -15,9 +15,8 @@ Decisions:
 - Small jobs run at once, on the event loop, when nothing is queued or running on the worker
   (`submit(job, inline=engine.fits_inline(flops, nbytes))`): a decode attention of a few sequences, a
   K/V write of a few tokens, a page copy. Under load the hop to the worker and back, and the two
-  threads taking turns at the GIL, cost far more than such a job: `kvpool bench http` (32 clients, 2
-  cores) gave 3,578 requests/s with attend p50 36 ms with every job on the worker, 5,591 requests/s and
-  p99 11 ms with small jobs inline. Running one only when the worker is idle keeps the FIFO order
+  threads taking turns at the GIL, cost far more than such a job (`kvpool bench http`: measured in
+  docs/benchmarks.md, "Figures behind the code"). Running one only when the worker is idle keeps the FIFO order
   (nothing is ahead of it), and the bounds keep the loop's stall to about a millisecond; anything
   larger (a long prefill, a big write) goes to the worker, so /healthz never waits for it.
 - A submitted job always runs, even if its caller is cancelled (a client that disconnects): the core
@@ -37,7 +36,8 @@ from typing import TypeVar, Unpack
 
 import torch
 
-from service.engine.backends import AttendOptions, Backend, select_backend
+from kernels.options import AttendOptions
+from service.engine.backends import Backend, select_backend
 from service.engine.storage import Storage
 
 T = TypeVar("T")
@@ -145,6 +145,27 @@ class Engine:
         dev = self.device
         self.impl.write(k.to(dev), None if v is None else v.to(dev), slots.to(dev), layer)
 
+    def save_slots(self, slots: torch.Tensor, layer: int) -> list[torch.Tensor]:
+        """What the pool holds at `slots` of `layer`, K and V (and FP8 scales): for restore_slots, which puts it
+        back when a write must be undone. Every pool tensor is [N+1, 2|1, L, P, ...]: each gives [T, 2|1, ...]."""
+        assert self._on_worker(), "device work runs on the engine's worker: use submit() or call()"
+        pages, offsets = self._pages_and_offsets(slots)
+        return [t[pages, :, layer, offsets] for t in self._pool_tensors()]
+
+    def restore_slots(self, slots: torch.Tensor, layer: int, saved: list[torch.Tensor]) -> None:
+        assert self._on_worker(), "device work runs on the engine's worker: use submit() or call()"
+        pages, offsets = self._pages_and_offsets(slots)
+        for t, old in zip(self._pool_tensors(), saved, strict=True):
+            t[pages, :, layer, offsets] = old
+
+    def _pool_tensors(self) -> list[torch.Tensor]:
+        return [self.blocks] if self.storage.scales is None else [self.blocks, self.storage.scales]
+
+    def _pages_and_offsets(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        page_size = self.blocks.shape[3]
+        slots = slots.to(self.device)
+        return slots // page_size, slots % page_size
+
     def attend(
         self,
         q: torch.Tensor,
@@ -156,7 +177,7 @@ class Engine:
     ) -> torch.Tensor:
         """q: [T, Hq, D] -> [T, Hq, D] in q's dtype, on the pool's device ([T, Hq, kv_lora_rank] for MLA).
 
-        options: scale, sliding_window, softcap (see backends.AttendOptions).
+        options: scale, sliding_window, softcap (see kernels.options.AttendOptions).
         """
         assert self._on_worker(), "device work runs on the engine's worker: use submit() or call()"
         dev = self.device

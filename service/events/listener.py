@@ -6,7 +6,7 @@ queue. `EventMaker`, run on the publisher thread, builds the events:
 
   - a run of pages registered by one commit -> one BlockStored (as vLLM groups a request's newly full
     blocks): block_hashes = the pages' hashes, token_ids = their token ids (page_size each),
-    block_size = page_size, medium "GPU" or "CPU" by the pool's device, group_idx 0, lora None;
+    block_size = page_size, medium "GPU" (the pool, on any device: wire.py), group_idx 0, lora None;
   - the first page of a sequence has parent_block_hash None (kvpool chains it from a per-tenant root
     hash, not from a page: consumers see a chain start, as vLLM's first block); its extra_keys entry
     is (tenant tag,), where the tag is the first 8 bytes, hex, of that root hash, sha256("kvpool-prefix-v1\\0"
@@ -21,9 +21,9 @@ queue. `EventMaker`, run on the publisher thread, builds the events:
     starts at a root the device's events named (a first page) gets parent None and the tenant tag, as
     the device's event did; the roots seen are remembered (up to MAX_ROOTS, then forgotten at once).
 
-Hashes are kvpool's page hashes (service.core.hashing): 32 bytes of SHA-256 (hash_format "bytes"), or
-vLLM's integer form of a hash (hash_format "int": its last 8 bytes as a big-endian unsigned int, what
-vLLM publishes by default and what Dynamo's router reads).
+Hashes are kvpool's page hashes (service.core.hashing), in vLLM's integer form (hash_format "int", the
+default, as vLLM's: a hash's last 8 bytes as a big-endian unsigned int, what Dynamo's router reads),
+or as the 32 bytes of SHA-256 (hash_format "bytes").
 """
 
 from typing import Any, Literal
@@ -71,7 +71,7 @@ class EventListener:
 class EventMaker:
     """Queued items -> events, on the publisher thread."""
 
-    def __init__(self, page_size: int, medium: str, hash_format: HashFormat = "bytes") -> None:
+    def __init__(self, page_size: int, medium: str, hash_format: HashFormat = "int") -> None:
         self.page_size = page_size
         self.medium = medium
         self.hash_format = hash_format
@@ -156,13 +156,13 @@ def start_publishing(
     endpoint: str,
     replay_endpoint: str = "",
     topic: str = "",
-    buffer_size: int = 10_000,
+    buffer_batches: int = 10_000,
+    buffer_bytes: int = 64 << 20,
     queue_size: int = 100_000,
-    hash_format: HashFormat = "bytes",
+    hash_format: HashFormat = "int",
 ) -> EventPublisher:
     """A publisher on `endpoint`, told of every change of the allocator's prefix index from now on."""
-    publisher = EventPublisher(
-        EventMaker(page_size, medium, hash_format), endpoint, replay_endpoint, topic, buffer_size, queue_size
-    )
+    make = EventMaker(page_size, medium, hash_format)
+    publisher = EventPublisher(make, endpoint, replay_endpoint, topic, buffer_batches, buffer_bytes, queue_size)
     allocator.add_listener(EventListener(publisher.put))
     return publisher

@@ -4,11 +4,8 @@ The wire protocol is vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py, 
   - PUB: each batch is the multipart message [topic, sequence number (8 bytes, big-endian), payload],
     payload = msgpack of an EventBatch; the endpoint is bound when it has a wildcard (`tcp://*:5557`,
     `::`) or is ipc:// or inproc://, and connected to otherwise;
-  - ROUTER (replay): a request is [client identity, b"", start sequence (8 bytes, big-endian)] (a
-    DEALER sending [b"", start]); the answer is one message [identity, b"",
-    topic, seq, payload] per buffered batch whose sequence number is >= start, oldest first, then the
-    end marker [identity, b"", b"", -1 as 8 signed big-endian bytes, b""]. The buffer keeps the last
-    `buffer_size` batches.
+  - ROUTER (replay): vLLM's protocol, served by replay.py so that no batch is lost unseen; the
+    buffer keeps the newest `buffer_batches` batches within `buffer_bytes` bytes of payload.
 
 What differs, on purpose: the request path never waits. put() is called on the event loop (by the
 listener) and only appends a small tuple to the queue; when the queue is full the item is dropped and
@@ -22,20 +19,21 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
 
+from service.events.replay import END_SEQ, ReplayBuffer, ReplayServer
 from service.events.wire import EventBatch, KVCacheEvent
 
 log = logging.getLogger("kvpool.events")
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
+__all__ = ["END_SEQ", "EventPublisher", "is_bind_endpoint"]
 MAX_BATCH = 1024  # events per batch at most (a burst becomes several batches)
-POLL_S = 0.1  # how long the thread waits for an item before it looks at the replay socket again
+POLL_S = 0.02  # how long the idle thread waits for an item before it looks at the replay socket again
+STALLED_S = 0.005  # how long it waits while replies are in progress but their readers' queues are full
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -50,13 +48,14 @@ class EventPublisher:
         endpoint: str,
         replay_endpoint: str = "",
         topic: str = "",
-        buffer_size: int = 10_000,
+        buffer_batches: int = 10_000,
+        buffer_bytes: int = 64 << 20,
         queue_size: int = 100_000,
         hwm: int = 100_000,
     ) -> None:
         self._make_event = make_event
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
+        self._buffer = ReplayBuffer(buffer_batches, buffer_bytes)
         self._topic = topic.encode()
         self.published = 0  # events sent (written by the thread only)
         self.batches = 0
@@ -65,7 +64,7 @@ class EventPublisher:
         self._next_seq = 0
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
-        self._replay: zmq.Socket[bytes] | None = None
+        self._replay: ReplayServer | None = None
         try:
             self._pub.set_hwm(hwm)  # past it, a slow subscriber loses messages; PUB never blocks
             if is_bind_endpoint(endpoint):
@@ -73,13 +72,14 @@ class EventPublisher:
             else:
                 self._pub.connect(endpoint)
             if replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.bind(replay_endpoint)
+                router = self._ctx.socket(zmq.ROUTER)
+                self._replay = ReplayServer(router, self._buffer, self._topic)
+                router.bind(replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise RuntimeError(f"KV events: cannot open {endpoint} / {replay_endpoint or '-'}: {exc}") from exc
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else ""
+        self.replay_endpoint = self._replay.socket.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else ""
         log.info("KV events on %s (replay: %s), topic %r", self.endpoint, self.replay_endpoint or "none", topic)
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvpool-kv-events", daemon=True)
@@ -92,6 +92,10 @@ class EventPublisher:
         except queue.Full:
             self.dropped += 1
 
+    def replay_outcomes(self) -> dict[str, int]:
+        """How replay requests ended so far ({} without a replay socket); read from any thread."""
+        return self._replay.outcomes() if self._replay is not None else {}
+
     def close(self, timeout: float = 1.0) -> None:
         """Publish what is queued (for up to `timeout` seconds), then stop the thread and close."""
         self._running = False
@@ -102,7 +106,7 @@ class EventPublisher:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
+        for sock in (self._pub, self._replay.socket if self._replay else None):
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
@@ -111,18 +115,21 @@ class EventPublisher:
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         deadline = None
+        wait = POLL_S
         while True:
             if not self._running:
                 deadline = deadline or time.monotonic() + 1.0
                 if self._queue.empty() or time.monotonic() > deadline:
                     return
-            if self._replay is not None and self._replay.poll(0):
+            if self._replay is not None:
                 try:
-                    self._serve_replay()
+                    sent = self._replay.turn()
+                    wait = 0.0 if sent else STALLED_S if self._replay.replies else POLL_S
                 except Exception:  # a bad request must not stop publishing
-                    log.exception("KV events: replay request failed")
+                    log.exception("KV events: serving replay failed")
+                    wait = POLL_S
             try:
-                items = [self._queue.get(timeout=POLL_S)]
+                items = [self._queue.get(timeout=wait) if wait else self._queue.get_nowait()]
             except queue.Empty:
                 continue
             while len(items) < MAX_BATCH:
@@ -150,19 +157,6 @@ class EventPublisher:
         seq = self._next_seq
         self._next_seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-        self._buffer.append((seq, payload))
+        self._buffer.append(seq, payload)
         self.published += len(events)
         self.batches += 1
-
-    def _serve_replay(self) -> None:
-        assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3:
-            log.warning("KV events: invalid replay request of %d frames", len(frames))
-            return
-        client, _, start_bytes = frames
-        start = int.from_bytes(start_bytes, "big")
-        for seq, payload in self._buffer:
-            if seq >= start:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -9,9 +9,8 @@ one each, all called "kvpool-connector"): every kvpool call and K/V copy of that
   side: lookups and the appends of saves (waited for), and the releases of pins and saves. At most
   `max_saves` submitted jobs wait; one more blocks the caller.
 - Copies here run on one intra-op thread. vLLM's CPU worker keeps its OpenMP threads for the model;
-  a parallel copy in vLLM's step stalls whenever one of those threads is descheduled (measured in the
-  engine on a loaded 2-core machine: the same 2,048-token load took 2.4 ms at best and up to 230 ms),
-  and one thread already reaches the memory bandwidth of a plain copy there.
+  a parallel copy in vLLM's step stalls whenever one of those threads is descheduled, and one thread
+  already reaches the memory bandwidth of a plain copy there (measured: docs/benchmarks.md, "Figures behind the code").
 """
 
 import logging

@@ -5,25 +5,30 @@ The exchange is one line each way. The client sends `{"api_key": <key or null>}`
 error envelope `{"error": {"code", "message"}}` with none. Who may have them is decided by the same rule as
 `GET /v1/ipc` (the `authorize` callable the server passes in). The socket file is the owner's only (0600, in a
 private 0700 directory under $XDG_RUNTIME_DIR or the temporary directory) and removed when the server closes.
+A malformed line (not JSON, nested deeper than orjson's 1,024 levels, longer than MAX_LINE, `api_key` not a
+string) is answered `invalid_request`; connections, deadlines and the one reply per connection are
+service/ipc/line_server.py's.
 """
 
 import json
 import os
 import shutil
 import socket
-import socketserver
 import stat
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from service.core.errors import KVPoolError
+import orjson
+
+from service.core.errors import InvalidRequest, KVPoolError
+from service.ipc.line_server import LineServer, error_line
 from service.wire.errors import error_from_envelope, status_of
 
-MAX_LINE = 4096
-TIMEOUT_S = 5.0
+MAX_LINE = 4096  # bytes of a request line; a longer one is answered invalid_request
+TIMEOUT_S = 5.0  # a client's wait for the answer; the server's default deadline for the whole request line
+MAX_CONNECTIONS = 32  # frontends on the node ask once each at start: a handful at a time
 
 
 def runtime_dir() -> str | None:
@@ -65,24 +70,31 @@ def remove_stale(parent: str, min_age_s: float = 10.0) -> list[str]:
     return removed
 
 
-def _read_line(conn: socket.socket) -> bytes:
-    data = b""
-    while b"\n" not in data:
-        chunk = conn.recv(MAX_LINE - len(data))
-        if not chunk:
-            break
-        data += chunk
-        if len(data) >= MAX_LINE:
-            raise ValueError(f"the request is longer than {MAX_LINE} bytes")
-    return data.split(b"\n", 1)[0]
-
-
 def _line(obj: Any) -> list[bytes]:
     return [json.dumps(obj).encode() + b"\n"]
 
 
+def parse_request(line: bytes) -> str | None:
+    """The api_key of a request line (None when absent or null): a JSON object whose `api_key` is a string or
+    null. Anything else is InvalidRequest; orjson bounds the nesting (1,024 levels) without recursing in Python."""
+    try:
+        request = orjson.loads(line or b"{}")
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request is not JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise InvalidRequest('the request must be a JSON object: {"api_key": <key or null>}')
+    key = request.get("api_key")
+    if key is not None and not isinstance(key, str):
+        raise InvalidRequest("api_key must be a string or null")
+    return key
+
+
 class FdServer:
-    """Serves `fds` (named `keys`) to clients that `authorize(api_key)` lets through (it raises a KVPoolError)."""
+    """Serves `fds` (named `keys`) to clients that `authorize(api_key)` lets through (it raises a KVPoolError).
+
+    The socket runs under the rules of service/ipc/line_server.py: at most `max_connections` open (the oldest
+    is closed first), the whole line within `line_timeout_s`, one reply line to every connection.
+    """
 
     def __init__(
         self,
@@ -91,57 +103,31 @@ class FdServer:
         instance_id: str,
         authorize: Callable[[str | None], None],
         parent: str | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        line_timeout_s: float = TIMEOUT_S,
     ) -> None:
         self.fds, self.keys, self.instance_id, self.authorize = fds, keys, instance_id, authorize
         parent = os.path.abspath(parent or runtime_dir() or tempfile.gettempdir())  # clients run elsewhere
         remove_stale(parent)
         self.directory = tempfile.mkdtemp(prefix="kvpool-", dir=parent)  # mode 0700
         self.path = os.path.join(self.directory, "ipc.sock")
-        outer = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                outer.answer(self.request)
-
-        self.server = socketserver.ThreadingUnixStreamServer(self.path, Handler, bind_and_activate=False)
-        self.server.daemon_threads = True
         try:
-            self.server.server_bind()
-            os.chmod(self.path, 0o600)
-            self.server.server_activate()
+            self.server = LineServer(self.path, self.answer, max_connections, line_timeout_s, MAX_LINE)
         except BaseException:
-            self.server.server_close()
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
-        self.thread = threading.Thread(target=self.server.serve_forever, name="kvpool-ipc-socket", daemon=True)
-        self.thread.start()
 
-    def answer(self, conn: socket.socket) -> None:
-        conn.settimeout(TIMEOUT_S)
-        fds: list[int] = []
+    def answer(self, line: bytes) -> tuple[bytes, list[int]]:
+        """The reply to one request line, and the descriptors to attach (none with an error)."""
         try:
-            request = json.loads(_read_line(conn) or b"{}")
-            key = request.get("api_key") if isinstance(request, dict) else None
-            self.authorize(key if isinstance(key, str) else None)
+            self.authorize(parse_request(line))
         except KVPoolError as exc:
-            reply = _line({"error": {"code": exc.code, "message": str(exc)}})
-        except (OSError, ValueError) as exc:  # a timeout, a reset, not JSON: nothing is sent but this
-            reply = _line({"error": {"code": "invalid_request", "message": str(exc)}})
-        else:
-            reply, fds = _line({"instance_id": self.instance_id, "keys": self.keys}), self.fds
-        try:
-            if fds:
-                socket.send_fds(conn, reply, fds)
-            else:
-                conn.sendall(reply[0])
-        except OSError:  # the client left first (a broken pipe, a reset, the timeout): no one to tell
-            pass
+            return error_line(exc.code, str(exc)), []
+        return _line({"instance_id": self.instance_id, "keys": self.keys})[0], self.fds
 
     def close(self) -> None:
         """Stop serving and remove the socket file and its directory (idempotent)."""
-        if self.thread.is_alive():
-            self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

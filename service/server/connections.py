@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import orjson
 
+from service.ipc.fd_socket import MAX_CONNECTIONS as MAX_IPC_CONNECTIONS
 from service.wire.errors import status_of
 
 _CURRENT: contextvars.ContextVar["GuardedConnection | None"] = contextvars.ContextVar("kvpool_conn", default=None)
@@ -37,8 +38,9 @@ def current_connection() -> "GuardedConnection | None":
     return _CURRENT.get()
 
 
-# Descriptors kept free beyond those open at start: the pool's socket, its clients, log files, a little slack.
-RESERVED_FDS = 64
+# Descriptors kept free beyond those open at start: the pool's IPC socket and its clients (at most
+# fd_socket.MAX_CONNECTIONS), log files, a little slack.
+RESERVED_FDS = 32 + MAX_IPC_CONNECTIONS
 
 
 def raise_open_file_limit() -> int:

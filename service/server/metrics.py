@@ -71,6 +71,17 @@ class PoolCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        if events is not None and (outcomes := events.replay_outcomes()):
+            replays = CounterMetricFamily(
+                "kvpool_kv_events_replays",
+                "KV event replay requests by how they ended: completed; cut_short (the buffer turned over "
+                "first: the reply stopped early, consecutive); abandoned (the reader left or took nothing "
+                "for 30 s); refused (malformed, or too many queued).",
+                labels=["outcome"],
+            )
+            for outcome, count in outcomes.items():
+                replays.add_metric([outcome], count)
+            yield replays
         if state.tiers is not None:
             yield from tier_metrics(state.tiers.report())
         info = GaugeMetricFamily(

@@ -57,7 +57,9 @@ class PoolState:
         if self.storage.kind == "memfd" and self.ipc_socket is None:
             fds, keys = self.storage.shared_fds()
             parent = self.settings.ipc_socket_dir or None
-            self.ipc_socket = FdServer(fds, keys, self.instance_id, authorize, parent)
+            # The whole request line within the HTTP head's deadline (it is this socket's head).
+            line_timeout_s = self.settings.request_head_timeout_s
+            self.ipc_socket = FdServer(fds, keys, self.instance_id, authorize, parent, line_timeout_s=line_timeout_s)
 
     def ipc_description(self) -> dict[str, Any]:
         """GET /v1/ipc: the storage's exports, the instance, and for memfd pools the socket to ask."""
@@ -110,18 +112,18 @@ def default_max_attend_tokens(device_type: str) -> int:
 def start_events(state: PoolState) -> "EventPublisher":
     """The KV event publisher of KVPOOL_KV_EVENTS_* (zmq and msgspec are imported only when it is on)."""
     from service.events.listener import start_publishing
-    from service.events.wire import MEDIUM_CPU, MEDIUM_GPU
+    from service.events.wire import MEDIUM_GPU
 
     s = state.settings
-    medium = MEDIUM_GPU if state.storage.device.type == "cuda" else MEDIUM_CPU
     return start_publishing(
         state.allocator,
         s.page_size,
-        medium,
+        MEDIUM_GPU,  # the pool is the engine's own cache on any device (see service/events/wire.py)
         s.kv_events_endpoint,
         s.kv_events_replay_endpoint,
         s.kv_events_topic,
         s.kv_events_buffer,
+        s.kv_events_buffer_bytes,
         s.kv_events_queue,
         s.kv_events_hash_format,
     )

@@ -45,9 +45,8 @@ class HostTier:
 
     def __init__(self, codec: PageCodec, nbytes: int, pinned: bool) -> None:
         self.codec = codec
-        # The KV events' medium: vLLM's "CPU" below a GPU; below a CPU pool (whose own events say "CPU")
-        # a name of its own, so that a consumer never takes the tier's pages for the device's.
-        self.medium = "CPU" if codec.device.type == "cuda" else "CPU_TIER"
+        # The KV events' medium: vLLM's "CPU", below a pool on any device (whose own events say "GPU").
+        self.medium = "CPU"
         self.page_nbytes = codec.page_nbytes
         self.index = TierIndex(nbytes // self.page_nbytes)
         self.capacity_bytes = self.index.num_slots * self.page_nbytes

@@ -19,7 +19,7 @@ the restore allocates pool pages for those, and get_into() pipelines GETEX over 
 which receives each value's page bytes straight into its pool page (on a CPU pool; a host buffer
 otherwise), its header and checksum into small buffers beside, checked as it arrives; the pages are
 committed only once checked. Counting first is what lets the pages be allocated before the values
-come (receiving into them saves a copy of every byte, ~5 ms of a 64 MiB restore) without allocating,
+come (receiving into them saves a copy of every byte) without allocating,
 and evicting device pages for, what the store does not hold. One connection on redis://, rediss:// (TLS)
 and unix:// URLs, one per node on
 redis[s]+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss:// with
@@ -46,13 +46,12 @@ from service.tiers.cluster import ClusterReader, cluster_client, is_cluster_url
 from service.tiers.resp import REDIRECTED, RespConnection
 from service.tiers.stats import TierStats
 
-MAGIC = b"kvpool-remote-v2"  # v2: XXH3-64 instead of zlib's CRC-32 (6.8 GB/s here: a fifth of a restore)
+MAGIC = b"kvpool-remote-v2"  # v2: XXH3-64 instead of zlib's CRC-32 (a fifth of a restore: docs/benchmarks.md)
 Chain = tuple[list[bytes], list[bytes]]  # page hashes, token bytes
 # Values per pipelined GETEX batch (two batches in flight; none sent after the first bad entry): about
 # READ_BATCH_BYTES of them, at most READ_BATCH. Small batches keep what the store has in flight (its
-# reply buffers, the socket's) in the caches: with 8 values of 256 KiB a batch, redis-server spent
-# ~17 ms of CPU on a 64 MiB prefix where 32 cost it ~29, and the restore took 25-29 ms, not 33-37
-# (kvpool bench tiers, side by side on the quiet 2-core machine, BENCHMARKS.md).
+# reply buffers, the socket's) in the caches, which cost redis-server less CPU per prefix and the restore
+# less time (kvpool bench tiers, side by side: docs/benchmarks.md, "Figures behind the code").
 READ_BATCH, READ_BATCH_BYTES = 32, 2 << 20
 IN_FLIGHT = 2  # batches sent ahead of the replies being read
 COUNT_BATCH = 32  # keys in the first pipelined EXISTS batch, twice as many in each next (a miss stays cheap)

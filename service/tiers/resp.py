@@ -1,12 +1,13 @@
 """The shared tier's read path: pipelined GETEX over a plain socket, each value received straight where
 it is to stay (recv_into: a row of an array, or the parts of a pool page with the value's header and
 checksum in small buffers beside), no copy in between. redis-py's Python parser copies every value 3-4
-times through a BytesIO, which capped restores at a third of what the store can send (BENCHMARKS.md).
+times through a BytesIO, which capped restores well below what the store can send (docs/benchmarks.md,
+"Figures behind the code").
 EXISTS (read_int) counts what a restore will read before it allocates pages for it.
 
 GETEX key EX ttl rather than MGET: it refreshes the entry's TTL in the same round trip (a hot prefix
 never ages out), it needs no two keys in one hash slot (Redis Cluster, service.tiers.cluster), and for
-pages of 100 KiB and more it is as fast as MGET (within 2 % on loopback; 1 KiB test pages ~40 % slower).
+pages of 100 KiB and more it is as fast as MGET (measured: docs/benchmarks.md, "Figures behind the code").
 Redis >= 6.2 or any Valkey. One batch of keys is one sendall; several batches may be in flight.
 
 Values of one expected size only (others are read into a scratch buffer and reported by their size).

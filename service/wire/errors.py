@@ -14,6 +14,7 @@ from service.core.errors import (
     Forbidden,
     InvalidRequest,
     KVPoolError,
+    NonFiniteOutput,
     OutOfPages,
     PayloadTooLarge,
     QuotaExceeded,
@@ -39,6 +40,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
     for row in (
         _typed(InvalidRequest, 422),
         _typed(AttendTooLarge, 422),
+        _typed(NonFiniteOutput, 422),
         _typed(SequenceNotFound, 404),
         _typed(SequenceExists, 409),
         _typed(OutOfPages, 507),

@@ -20,7 +20,9 @@ SEQ_ID_PATTERN = (
     r"^(?:[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,127}|\.[A-Za-z0-9_:-][A-Za-z0-9._:-]{0,126}|\.\.[A-Za-z0-9._:-]{1,126})$"
 )
 SeqId = Annotated[str, StringConstraints(pattern=SEQ_ID_PATTERN)]
-TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+# Token ids are unsigned 32-bit, the whole API's one check: vLLM's are int32 and routers read the KV
+# events' token ids as u32 (Dynamo's indexer): an id past it would be published and misread there.
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]
 # Attention parameters become float32 on the device: a value outside float32's normal range would be
 # infinite or zero there, and every output NaN (np.finfo(np.float32).max and .tiny).
 FLOAT32_MAX = 3.4028234663852886e38

@@ -2,22 +2,40 @@
 are not judged here, only that every one is printed and its verdict agrees with it)."""
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.pictures import assert_png
 
-def test_bench_alloc_quick_prints_every_figure() -> None:
+
+def test_bench_alloc_quick_prints_every_figure(tmp_path: Path) -> None:
+    outputs = ["--json", str(tmp_path / "alloc.json"), "--plot", str(tmp_path / "alloc.png")]
     done = subprocess.run(
-        [sys.executable, "-m", "service", "bench", "alloc", "--quick"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "service", "bench", "alloc", "--quick", *outputs],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
+    printed = []
     for label in ("(a) alloc+free", "all misses", "pool full (evicting)", "all hits", "in process", "HTTP p50"):
         (line,) = [x for x in lines if label in x]
-        assert re.search(r":\s+\d+\.\d+ (M pages/s|us|ms)\s+target (>=|<=) \d+\s+(PASS|MISS)$", line), line
+        figure = re.search(r":\s+(\d+\.\d+) (M pages/s|us|ms)\s+target (>=|<=) \d+\s+(PASS|MISS)$", line)
+        assert figure, line
+        printed.append(figure[1])
+    result = json.loads((tmp_path / "alloc.json").read_text())
+    assert result["kind"] == "alloc" and result["command"] == "kvpool bench alloc --quick", result
+    scale = {"pages/s": (1e-6, 2), "s": (1e6, 1)}  # as printed: M pages/s, and us for the in-process step
+    saved = [f"{f['value'] * scale[f['unit']][0]:.{scale[f['unit']][1]}f}" for f in result["figures"]]
+    saved[-1] = f"{result['figures'][-1]['value'] * 1e3:.2f}"  # the HTTP step in ms
+    assert saved == printed
+    assert_png(tmp_path / "alloc.png")
 
 
 PEER_ROW = re.compile(
@@ -43,10 +61,11 @@ def _verdict_holds(match: re.Match[str]) -> bool:
     return (ratio >= target) == (match["verdict"] == "PASS")
 
 
-def test_bench_alloc_peers_quick_prints_both_page_sizes_side_by_side() -> None:
+def test_bench_alloc_peers_quick_prints_both_page_sizes_side_by_side(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
+    outputs = ["--json", str(tmp_path / "peers.json"), "--plot", str(tmp_path / "peers.png")]
     done = subprocess.run(
-        [sys.executable, "-m", "service", "bench", "alloc", "--peers", "--quick"],
+        [sys.executable, "-m", "service", "bench", "alloc", "--peers", "--quick", *outputs],
         capture_output=True,
         text=True,
         timeout=300,
@@ -54,7 +73,10 @@ def test_bench_alloc_peers_quick_prints_both_page_sizes_side_by_side() -> None:
     assert done.returncode == 0, done.stderr
     blocks = done.stdout.split("\npage ")[1:]
     assert [block.split(":")[0] for block in blocks] == ["16", "256"], done.stdout
-    for block, page_size, target in zip(blocks, (16, 256), ("3.0", "1.5")):
+    result = json.loads((tmp_path / "peers.json").read_text())
+    assert result["kind"] == "alloc-peers" and [pool["page_size"] for pool in result["pools"]] == [16, 256]
+    assert_png(tmp_path / "peers.png")
+    for block, page_size, target, pool in zip(blocks, (16, 256), ("3.0", "1.5"), result["pools"]):
         lines = block.splitlines()
         rows = [m for m in map(PEER_ROW.match, lines) if m]
         assert [m["label"] for m in rows] == [
@@ -85,7 +107,11 @@ def test_bench_alloc_peers_quick_prints_both_page_sizes_side_by_side() -> None:
             assert timed["ours"] == crossed["ours"] and prepared["theirs"] == crossed["theirs"]
             # kvpool with content names (events or tiers on) hashes every page: against vLLM hashing timed
             assert content["theirs"] == timed["theirs"]
+        # the JSON keeps the printed figures: the rows in order, each ratio, and the step
+        assert [f"{row['ratio']:.2f}" for row in pool["rows"][:-1]] == [m["ratio"] for m in rows]
+        assert [f"{row['kvpool'] / 1e6:.3f}" for row in pool["rows"][:-1]] == [m["ours"] for m in rows]
         (step,) = [m for m in map(STEP_ROW.match, lines) if m]
+        assert f"{pool['rows'][-1]['kvpool'] * 1e6:.1f}" == step["ours"] and pool["target"] == float(target)
         assert step["target"] == target and _verdict_holds(step), step[0]
         assert float(step["ratio"]) == pytest.approx(float(step["theirs"]) / float(step["ours"]), rel=0.05)
         (own,) = [m for m in map(OWN_STEP_ROW.match, lines) if m]

@@ -3,14 +3,17 @@
 No timing is asserted: speed is the benchmark's business, not the test suite's.
 """
 
+import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from benchmarks.http import leak_checks, percentile
+from tests.benchmarks.pictures import assert_png
 from tests.conftest import REPO
 
 ROUTES = [
@@ -23,30 +26,45 @@ FIGURES = re.compile(r"^(?P<route>\S+(?: \S+)?)\s+(?P<n>\d+)\s+(?P<p50>\d+\.\d+)
 
 
 @pytest.mark.slow
-def test_short_run_leaks_nothing_and_reports_figures() -> None:
-    cmd = [sys.executable, "-m", "service", "bench", "http", "--seconds", "3", "--warmup", "1", "--clients", "4"]
-    cmd += ["--num-pages", "128"]
+def test_short_runs_leak_nothing_and_report_figures(tmp_path: Path) -> None:
+    """Two client counts on one server (latency against load); the JSON and the plot hold what was printed."""
+    cmd = [sys.executable, "-m", "service", "bench", "http", "--seconds", "2", "--warmup", "0.5", "--clients", "2,4"]
+    cmd += ["--num-pages", "128", "--json", str(tmp_path / "http.json"), "--plot", str(tmp_path / "http.png")]
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVPOOL_DEVICE": "cpu"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "server: a separate process (`python -m service serve`" in out
-    for check in ("pages_used 0 == 0", "used + cached + free = 128 == num_pages 128", "num_sequences 0 == 0"):
-        assert f"check PASS: {check}" in out, out
-    assert "check PASS: no 5xx (0)" in out and "check PASS: no transport errors (0)" in out, out
     assert "FAIL" not in out, out
+    runs = out.split("kvpool bench http: ")[1:]
+    assert [run.split(" ", 1)[0] for run in runs] == ["2", "4"], out
+    result = json.loads((tmp_path / "http.json").read_text())
+    assert result["kind"] == "http" and result["command"].startswith("kvpool bench http --seconds 2 "), result
+    assert "--json" not in result["command"] and len(result["runs"]) == 2, result
+    for run, saved in zip(runs, result["runs"]):
+        assert "server: a separate process (`python -m service serve`" in run
+        for check in ("pages_used 0 == 0", "used + cached + free = 128 == num_pages 128", "num_sequences 0 == 0"):
+            assert f"check PASS: {check}" in run, run
+        assert "check PASS: no 5xx (0)" in run and "check PASS: no transport errors (0)" in run, run
 
-    rows = {m["route"]: m for m in FIGURES.finditer(out)}
-    for route in [*ROUTES, "all"]:
-        assert route in rows, f"{route} missing from\n{out}"
-        assert float(rows[route]["p50"]) <= float(rows[route]["p99"]), out
-    total = int(rows["all"]["n"])
-    assert total == sum(int(m["n"]) for r, m in rows.items() if r != "all"), out
-    throughput = re.search(r"throughput: (\d+) requests in [\d.]+ s = (\d+) requests/s", out)
-    assert throughput and int(throughput.group(1)) == total, out
-    assert re.search(r"server CPU: \d+ us/request", out), out
-    assert re.search(r"target (PASS|MISS): \d+ requests/s >= 2000", out), out
-    assert re.search(r"target (PASS|MISS): p99 [\d.]+ ms < 50 ms", out), out
+        rows = {m["route"]: m for m in FIGURES.finditer(run)}
+        for route in [*ROUTES, "all"]:
+            assert route in rows, f"{route} missing from\n{run}"
+            assert float(rows[route]["p50"]) <= float(rows[route]["p99"]), run
+        total = int(rows["all"]["n"])
+        assert total == sum(int(m["n"]) for r, m in rows.items() if r != "all"), run
+        throughput = re.search(r"throughput: (\d+) requests in [\d.]+ s = (\d+) requests/s", run)
+        assert throughput and int(throughput.group(1)) == total, run
+        assert re.search(r"server CPU: \d+ us/request", run), run
+        assert re.search(r"target (PASS|MISS): \d+ requests/s >= 2000", run), run
+        assert re.search(r"target (PASS|MISS): p99 [\d.]+ ms < 50 ms", run), run
+        # the JSON keeps the printed figures
+        assert saved["requests"] == total and saved["checks_passed"] is True
+        assert f"{saved['requests_per_s']:.0f}" == throughput.group(2)
+        assert (f"{saved['p50_ms']:.2f}", f"{saved['p99_ms']:.2f}") == (rows["all"]["p50"], rows["all"]["p99"])
+        assert {r: s["requests"] for r, s in saved["routes"].items()} == {
+            r: int(m["n"]) for r, m in rows.items() if r != "all"
+        }
+    assert_png(tmp_path / "http.png")
 
 
 def test_leak_checks_catch_a_leak() -> None:

@@ -24,6 +24,7 @@ from tests.chaos.conn_helpers import (
     start,
     wait_for_fds,
 )
+from tests.chaos.tally import TALLY
 
 HELD = 2000
 
@@ -42,6 +43,22 @@ def measure(port: int, healthz: int = 100, steps: int = 100) -> dict[str, list[f
     return times
 
 
+def record(check: str, times: dict[str, list[float]], faults: int) -> None:
+    """Into the session's chaos summary: the measured requests and the held connections; a failure is a kind of
+    request whose p99 is over the tests' 100 ms."""
+    p99 = {kind: percentile(values, 0.99) for kind, values in times.items()}
+    slow = sum(t >= 0.1 for values in times.values() for t in values)
+    TALLY.record(
+        "HTTP connections",
+        requests=sum(map(len, times.values())),
+        faults=faults,
+        failures=sum(p >= 0.1 for p in p99.values()),
+        held=f"{check}: "
+        + ", ".join(f"{kind} p99 {p * 1e3:.2f} ms" for kind, p in p99.items())
+        + f" ({slow} answers over 100 ms)",
+    )
+
+
 def test_new_clients_are_served_while_2000_slow_connections_are_held() -> None:
     """`ulimit -n 1024` (hard limit left as is), 2,000 connections held: silent, half a head, a body a byte at a
     time. A new client's /healthz and step answer within 100 ms (p99), and the server still holds them all."""
@@ -57,6 +74,7 @@ def test_new_clients_are_served_while_2000_slow_connections_are_held() -> None:
             "2000 slow connections, ulimit -n 1024",
             {"held": HELD, "server_fds": fds_while_held, "still_open": alive} | latencies(times),
         )
+        record(f"{HELD} slow connections held, ulimit -n 1024", times, HELD)
         assert fds_while_held > HELD  # the soft limit was raised, not worked around
         assert alive == {"silent": 700, "half_head": 700, "slow_body": 600}
         assert percentile(times["healthz"], 0.99) < 0.1 and percentile(times["step"], 0.99) < 0.1
@@ -81,6 +99,7 @@ def test_a_hard_limit_of_1024_sheds_idle_connections_instead_of_failing() -> Non
             "2000 idle connections, hard limit 1024",
             {"held": HELD, "server_fds": fds_while_held, "still_open": alive} | latencies(times),
         )
+        record(f"{HELD} idle connections, hard limit 1,024 (oldest shed)", times, HELD)
         assert fds_while_held < 1024
         assert alive["silent"] == 0 and 0 < alive["half_head"] < 1000  # the oldest went first
         assert percentile(times["healthz"], 0.99) < 0.1 and percentile(times["step"], 0.99) < 0.1
@@ -118,6 +137,12 @@ def test_late_heads_bodies_and_idle_keep_alive_are_closed() -> None:
             assert first.startswith(b"HTTP/1.1 200 ") and sock.recv(1) == b""
             assert 0.9 < time.monotonic() - started < 3
         report("timeouts at 1 s", {"slow_bodies_408": len(answers), "closed_after_s": round(body_s, 2)})
+        TALLY.record(
+            "HTTP connections",
+            requests=1,
+            faults=60,
+            held=f"60 late heads and bodies closed at the 1 s deadlines ({len(answers)} bodies answered 408)",
+        )
     finally:
         server.stop()
 
@@ -133,6 +158,12 @@ def test_over_the_cap_with_every_connection_busy_the_answer_is_503_at_once() -> 
             time.sleep(2.5)  # the slow bodies' deadline passes: their connections are closed
             assert request(server.port, "GET", "/healthz")[1] == 200
         report("cap 20, all busy", {"refused_in_ms": round(refused_s * 1e3, 2)})
+        TALLY.record(
+            "HTTP connections",
+            requests=2,
+            faults=20,
+            held=f"cap 20 with all busy: a new client answered 503 in {refused_s * 1e3:.2f} ms, served once freed",
+        )
     finally:
         server.stop()
 

@@ -32,6 +32,7 @@ from tests.chaos.fuzz_inputs import (
     tensor,
     truncations,
 )
+from tests.chaos.tally import TALLY
 from tests.conftest import SMALL_POOL, Server
 
 KEYS = {"fuzz": "fuzz-key-0123456789abcdef", "other": "other-key-0123456789abcdef"}
@@ -152,6 +153,8 @@ def live() -> Iterator[Live]:
 
 def finish(figures: Figures) -> None:
     print(figures.line())
+    failures = figures.server_errors + figures.crashes + figures.leaks + figures.hangs
+    TALLY.record("HTTP malformed input", malformed=figures.tried, failures=failures, held=figures.line())
     assert (figures.server_errors, figures.crashes, figures.leaks, figures.hangs) == (0, 0, 0, 0), figures.line()
 
 

@@ -18,6 +18,7 @@ import torch
 from service.client import KVPoolClient
 from service.ipc.fd_socket import receive_fds
 from tests.chaos.conn_helpers import report
+from tests.chaos.tally import TALLY
 from tests.conftest import SMALL_POOL, Server
 
 SHM = Path("/dev/shm")
@@ -67,6 +68,7 @@ def test_a_memfd_pool_leaves_nothing_in_dev_shm(how: str) -> None:
         # The frontend's mapping outlives the server (the memory goes with the last mapping).
         assert pool.blocks[0, 0, 0, 0, 0, 0].item() == 7.0
     report(f"memfd pool, {how}", {"dev_shm_files_left": 0, "socket_file_left": socket_path.exists()})
+    TALLY.record("kills and the shared pool", faults=1, held=f"memfd pool, {how}: 0 files in /dev/shm, mapping kept")
     # A clean stop removes the socket file and its directory; a kill leaves an empty socket file in the
     # server's private directory (no memory), which the next server does not reuse.
     assert socket_path.exists() == (how != "SIGTERM")
@@ -79,6 +81,9 @@ def test_the_posix_shm_fallback_is_unlinked_however_the_server_dies(how: str) ->
     kill(server, how)
     left = wait_gone(instance)
     report(f"posix_shm fallback, {how}", {"dev_shm_files_left": len(left)})
+    TALLY.record(
+        "kills and the shared pool", faults=1, failures=len(left), held=f"posix_shm, {how}: {len(left)} files left"
+    )
     assert left == []
 
 
@@ -97,6 +102,12 @@ def test_a_truncation_attempt_on_the_shared_pool_fails_and_the_server_keeps_serv
                 outcomes[name] = errno.errorcode[exc.errno]
         os.close(fd)
         report("truncation attempts on the memfd", outcomes)
+        TALLY.record(
+            "kills and the shared pool",
+            faults=len(outcomes),
+            failures=sum(v != "EPERM" for v in outcomes.values()),
+            held=f"ftruncate of the memfd by a descriptor holder: {outcomes}",
+        )
         assert set(outcomes.values()) == {"EPERM"}
         with KVPoolClient(server.url) as client:
             client.create_sequence("s")

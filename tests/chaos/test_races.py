@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests.chaos.fuzz_inputs import tensor
+from tests.chaos.tally import TALLY
 from tests.conftest import SMALL_POOL, Server
 
 THREADS, OPS = 48, 32
@@ -201,6 +202,15 @@ def test_threads_racing_on_one_sequence_keep_every_invariant(start_server: Any) 
         f"{len(forked)} forks, {len(freed)} freed, root {live[ROOT]} tokens; {server_errors} 5xx, "
         f"{int(crashed)} crashes, {leaked} leaked pages, {hangs} hangs, {len(unexpected)} unexpected answers, "
         f"{len(wrong_lengths)} wrong lengths, {polls.count(False)} of {len(polls)} pool polls not adding up"
+    )
+    failures = server_errors + int(crashed) + hangs + len(unexpected) + len(wrong_lengths) + len(gone)
+    failures += leaked + polls.count(False) + (root_frees[("free root", 200)] != 1)
+    TALLY.record(
+        "races",
+        requests=sum(statuses.values()) + sum(root_frees.values()),
+        failures=failures,
+        held=f"{THREADS} threads on one sequence: lengths, pool counts ({len(polls)} polls), used pages = the "
+        f"live tables' pages, one free of the root won, {leaked} pages left",
     )
     assert (server_errors, int(crashed), hangs) == (0, 0, 0)
     assert unexpected == [], unexpected[:10]

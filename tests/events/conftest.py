@@ -100,13 +100,19 @@ def subscribe() -> Any:
         s.close()
 
 
-def chain(tokens: list[int], page_size: int, tenant: str = "", parent: bytes | None = None) -> list[bytes]:
-    """kvpool's hashes of the full pages of `tokens` (service.core.hashing), from the tenant's root."""
-    parent = parent or root_hash(tenant)
-    out = []
+def as_int(h: bytes) -> int:
+    """A hash in vLLM's integer form (vllm.v1.core.kv_cache_utils.maybe_convert_block_hash)."""
+    return int.from_bytes(h, "big") & (2**64 - 1)
+
+
+def chain(tokens: list[int], page_size: int, tenant: str = "", hash_format: str = "int") -> list[Any]:
+    """kvpool's hashes of the full pages of `tokens` (service.core.hashing), from the tenant's root, as
+    the events publish them: in vLLM's integer form (the default), or as the 32 bytes."""
+    parent = root_hash(tenant)
+    out: list[Any] = []
     for i in range(len(tokens) // page_size):
         parent = page_hash(parent, token_bytes(tokens[i * page_size : (i + 1) * page_size]))
-        out.append(parent)
+        out.append(as_int(parent) if hash_format == "int" else parent)
     return out
 
 
@@ -127,9 +133,7 @@ def put_prompt(server: Server, tokens: list[int], headers: dict[str, str] | None
     return result
 
 
-def block_stored(
-    hashes: list[bytes], parent: bytes | None, tokens: list[int], medium: str, page_size: int, tag: str
-) -> Any:
+def block_stored(hashes: list[Any], parent: Any, tokens: list[int], medium: str, page_size: int, tag: str) -> Any:
     """The BlockStored kvpool publishes for one run of pages: a chain start (parent None) carries the
     tenant tag in its first extra_keys entry, every other entry is None."""
     extra: list[Any] = [None] * len(hashes)

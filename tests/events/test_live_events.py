@@ -13,6 +13,7 @@ from tests.events.conftest import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    as_int,
     block_stored,
     chain,
     events_env,
@@ -23,8 +24,8 @@ PAGE = 4  # SMALL_POOL: 16 pages of 4 tokens
 TAG = root_hash("")[:8].hex()
 
 
-def stored(hashes: list[bytes], parent: bytes | None, tokens: list[int]) -> Any:
-    return block_stored(hashes, parent, tokens, "CPU", PAGE, TAG)
+def stored(hashes: list[Any], parent: Any, tokens: list[int]) -> Any:
+    return block_stored(hashes, parent, tokens, "GPU", PAGE, TAG)
 
 
 def apply(index: set[Any], events: list[Any]) -> None:
@@ -42,6 +43,11 @@ def apply(index: set[Any], events: list[Any]) -> None:
 def counters(server: Server) -> dict[str, float]:
     text = server.client.get("/metrics").text
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def metric_samples(server: Server, name: str) -> list[Any]:
+    text = server.client.get("/metrics").text
+    return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
 
 
 def test_scripted_commits_evictions_and_resets(start_server: Any, subscribe: Any) -> None:
@@ -69,7 +75,7 @@ def test_scripted_commits_evictions_and_resets(start_server: Any, subscribe: Any
     c.delete(f"/v1/sequences/{big}")
     batches += sub.batches()
     events = [e for _, batch in batches[-1:] for e in batch.events]
-    assert events == [BlockRemoved(block_hashes=[ha[2], hb[3], hb[2]], medium="CPU", group_idx=0)]
+    assert events == [BlockRemoved(block_hashes=[ha[2], hb[3], hb[2]], medium="GPU", group_idx=0)]
     apply(index, events)
     assert index == set(ha[:2])
 
@@ -85,7 +91,7 @@ def test_scripted_commits_evictions_and_resets(start_server: Any, subscribe: Any
     tail = sub.batches()
     batches += tail
     events = [e for _, batch in tail for e in batch.events]
-    assert events == [BlockRemoved(block_hashes=[ha[1]], medium="CPU", group_idx=0), AllBlocksCleared()]
+    assert events == [BlockRemoved(block_hashes=[ha[1]], medium="GPU", group_idx=0), AllBlocksCleared()]
     apply(index, events)
     assert index == set()
     pool = c.get("/v1/pool").json()
@@ -102,6 +108,8 @@ def test_scripted_commits_evictions_and_resets(start_server: Any, subscribe: Any
     m = counters(server)
     assert m["kvpool_kv_events_published_total"] == len(events_seen(batches)) == 5
     assert m["kvpool_kv_events_dropped_total"] == 0
+    replays = {s.labels["outcome"]: s.value for s in metric_samples(server, "kvpool_kv_events_replays_total")}
+    assert replays == {"completed": 3, "cut_short": 0, "abandoned": 0, "refused": 0}
 
 
 def test_replay_returns_what_a_late_subscriber_missed(start_server: Any, subscribe: Any) -> None:
@@ -120,18 +128,16 @@ def events_seen(batches: list[tuple[int, Any]]) -> list[Any]:
     return [e for _, batch in batches for e in batch.events]
 
 
-def test_int_hashes_as_vllm_publishes_them(start_server: Any, subscribe: Any) -> None:
-    env = events_env(KVPOOL_KV_EVENTS_HASH_FORMAT="int")
+def test_hashes_as_32_bytes_when_asked(start_server: Any, subscribe: Any) -> None:
+    """The default (the scripted test above) is vLLM's integer form; "bytes" keeps kvpool's whole hash."""
+    env = events_env(KVPOOL_KV_EVENTS_HASH_FORMAT="bytes")
     server = start_server(env)
     sub = subscribe(env)
     a, b = list(range(9)), [*range(8), 50, 51, 52, 53, 54]
     put_prompt(server, a)
     put_prompt(server, b)
-    ha, hb = chain(a, PAGE), chain(b, PAGE)
-
-    def as_int(h: bytes) -> int:  # vllm.v1.core.kv_cache_utils.maybe_convert_block_hash
-        return int.from_bytes(h, "big") & (2**64 - 1)
-
+    ha, hb = chain(a, PAGE, hash_format="bytes"), chain(b, PAGE, hash_format="bytes")
     first, second = sub.events()
-    assert first.block_hashes == [as_int(h) for h in ha] and first.parent_block_hash is None
-    assert second.block_hashes == [as_int(hb[2])] and second.parent_block_hash == as_int(ha[1])
+    assert first.block_hashes == ha and first.parent_block_hash is None and len(ha[0]) == 32
+    assert second.block_hashes == [hb[2]] and second.parent_block_hash == ha[1]
+    assert [as_int(h) for h in ha] == chain(a, PAGE)

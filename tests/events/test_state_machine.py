@@ -31,7 +31,7 @@ class EventsMachine(RuleBasedStateMachine):
         self.table = SequenceTable(self.allocator, PAGE)
         self.queue: list[Any] = []
         self.allocator.add_listener(EventListener(self.queue.append))
-        self.make = EventMaker(PAGE, "CPU")
+        self.make = EventMaker(PAGE, "CPU", "bytes")
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.index: set[bytes] = set()

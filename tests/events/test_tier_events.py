@@ -12,14 +12,14 @@ from tests.events.conftest import BlockRemoved, block_stored, chain, events_env,
 
 PAGE = 4
 TAG = root_hash("")[:8].hex()
-MEDIUM = {"host": "CPU_TIER", "disk": "STORAGE"}  # a CPU pool: its own events say "CPU"
+MEDIUM = {"host": "CPU", "disk": "STORAGE"}  # below a CPU pool, whose own events say "GPU" as vLLM's CPU build
 
 
-def stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], medium: str) -> Any:
+def stored(hashes: list[Any], parent: Any, tokens: list[int], medium: str) -> Any:
     return block_stored(hashes, parent, tokens, medium, PAGE, TAG)
 
 
-def removed(hashes: list[bytes], medium: str) -> Any:
+def removed(hashes: list[Any], medium: str) -> Any:
     return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0)
 
 
@@ -50,20 +50,20 @@ def test_tier_events_on_spill_tier_eviction_and_restore(
     ha, hb = chain(a, PAGE), chain(b, PAGE)
 
     put_prompt(server, a)
-    assert sub.events() == [stored(ha, None, a[:12], "CPU")]
+    assert sub.events() == [stored(ha, None, a[:12], "GPU")]
 
     # Evicted from the device (tail first, the LRU order), copied down: the device's BlockRemoved,
     # then, once the copies land, one BlockStored of the tier's medium for the chain, from its root.
     evict_all(c)
     settle(c, 3 * 2048)
-    assert sub.events() == [removed(ha[::-1], "CPU"), stored(ha, None, a[:12], medium)]
+    assert sub.events() == [removed(ha[::-1], "GPU"), stored(ha, None, a[:12], medium)]
 
-    # A restore: the pages come back through the device's commit (BlockStored "CPU", at the root);
+    # A restore: the pages come back through the device's commit (BlockStored "GPU", at the root);
     # the tier keeps its copies (no event of its own).
     created = c.post("/v1/sequences", json={"token_ids": a}).json()
     assert created["cached_tokens"] == 12
     assert c.delete(f"/v1/sequences/{created['seq_id']}").status_code == 200
-    assert sub.events() == [stored(ha, None, a[:12], "CPU")]
+    assert sub.events() == [stored(ha, None, a[:12], "GPU")]
 
     # b's pages spill into a tier of 4 slots holding a's 3: the tier drops its 2 oldest (a's pages
     # evicted by the device again made them the newest in a2, a1, a0 order: a2 and a1 go).
@@ -71,8 +71,8 @@ def test_tier_events_on_spill_tier_eviction_and_restore(
     evict_all(c)
     settle(c, 6 * 2048)
     assert sub.events() == [
-        stored(hb, None, b[:12], "CPU"),
-        removed([*ha[::-1], *hb[::-1]], "CPU"),
+        stored(hb, None, b[:12], "GPU"),
+        removed([*ha[::-1], *hb[::-1]], "GPU"),
         removed([ha[2], ha[1]], medium),
         stored(hb, None, b[:12], medium),
     ]
@@ -98,7 +98,7 @@ def test_a_chain_past_the_root_names_its_parent(start_server: Any, subscribe: An
     assert c.post(f"/v1/sequences/{seq}/append", json={"num_tokens": 15 * PAGE}).status_code == 200
     settle(c, 2 * 2048)
     assert sub.events() == [
-        stored(ha, None, a[:12], "CPU"),
-        removed([ha[2], ha[1]], "CPU"),
-        stored(ha[1:], ha[0], a[4:12], "CPU_TIER"),
+        stored(ha, None, a[:12], "GPU"),
+        removed([ha[2], ha[1]], "GPU"),
+        stored(ha[1:], ha[0], a[4:12], "CPU"),
     ]

@@ -90,7 +90,7 @@ def test_event_maker_builds_vllm_shapes() -> None:
     hashes = np.frombuffer(b"".join(H), dtype=np.uint8).reshape(3, 32)
     tokens = np.arange(6, dtype="<i8").tobytes()
     root = root_hash("tenant-a")
-    make = EventMaker(page_size=2, medium="CPU")
+    make = EventMaker(page_size=2, medium="CPU", hash_format="bytes")
     first = make((STORED, hashes, root, tokens, True))
     assert first.block_hashes == H and first.parent_block_hash is None and first.token_ids == list(range(6))
     assert first.extra_keys == [(tenant_tag(root),), None, None] and tenant_tag(root) == root[:8].hex()
@@ -122,7 +122,7 @@ def test_tier_pages_make_one_event_per_chain_from_its_first_page() -> None:
     order = [3, 2, 1, 0]
     assert chains([hashes[i] for i in order], [keys[i] for i in order]) == [[0], [3, 2, 1]]
     assert chains(hashes[:1] + hashes[2:3], keys[:1] + keys[2:3]) == [[0], [1]]
-    maker = EventMaker(2, "CPU")
+    maker = EventMaker(2, "CPU", "bytes")
     maker((STORED, np.frombuffer(hashes[0], dtype=np.uint8).reshape(1, 32), root, keys[0][32:], True))
     events = maker((TIER_STORED, "STORAGE", hashes[2::-1], keys[2::-1]))
     assert [(e.block_hashes, e.parent_block_hash, e.token_ids, e.medium) for e in events] == [

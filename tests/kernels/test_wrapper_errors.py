@@ -94,3 +94,19 @@ def test_bad_arguments_raise_value_error(fn: Callable[..., Any], kwargs: dict[st
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("*", r"\*")):
         fn(**kwargs)
     assert torch.equal(kwargs["blocks"], before)  # nothing was written
+
+
+def test_an_unknown_option_is_refused_as_an_unknown_keyword_would_be() -> None:
+    """The attention options arrive as **options (kernels.options.AttendOptions): a misspelt one must not be
+    silently ignored, by the kernels or by their references."""
+    from kernels.reference import paged_attention_ref
+
+    out = torch.full((3, 4, D), float("nan"))
+    for fn, kwargs in (
+        (paged_decode, decode_args()),
+        (paged_prefill, prefill_args(out=out)),
+        (paged_attention_ref, prefill_args()),
+    ):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'soft_cap'"):
+            fn(**kwargs, soft_cap=2.0)
+    assert torch.isnan(out).all()  # refused before anything launched

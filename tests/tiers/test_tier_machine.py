@@ -67,8 +67,8 @@ class TierMachine(RuleBasedStateMachine):
         self.events: list[Any] = []
         self.state.allocator.listeners.insert(0, EventListener(self.events.append))
         self.state.tiers.events = EventListener(self.events.append)
-        self.make = EventMaker(PAGE, "CPU")
-        self.seen: dict[str, set[Any]] = {"CPU": set(), self.local.medium: set()}
+        self.make = EventMaker(PAGE, "GPU", "bytes")
+        self.seen: dict[str, set[Any]] = {"GPU": set(), self.local.medium: set()}
 
     @staticmethod
     async def _make(s: Settings) -> PoolState:
@@ -170,7 +170,7 @@ class TierMachine(RuleBasedStateMachine):
                     self.seen[e.medium] -= set(e.block_hashes)
         self.events.clear()
         a, index = self.state.allocator, self.local.index
-        assert self.seen["CPU"] == {a.page_name(p) for p in range(PAGES)} - {None}
+        assert self.seen["GPU"] == {a.page_name(p) for p in range(PAGES)} - {None}
         ready = {h for h in index.slots() if not index.entry(h).pending}  # type: ignore[union-attr]
         assert self.seen[self.local.medium] == ready
 

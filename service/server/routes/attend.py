@@ -8,9 +8,9 @@ import torch
 from fastapi import Request
 from starlette.responses import Response
 
-from service.core.errors import InvalidRequest
+from service.core.errors import InvalidRequest, NonFiniteOutput
 from service.server.bodies import read_json
-from service.server.kv_input import decode_finite, decode_kv_input, kv_nbytes
+from service.server.kv_input import all_finite, decode_finite, decode_kv_input, kv_nbytes
 from service.server.leases import renew_named_in, renewed_if_refused
 from service.server.metrics import Metrics, MetricsDep
 from service.server.routes.table import RouteTable
@@ -50,8 +50,11 @@ async def attend_checked(body: AttendRequest, pool: PoolState, tenant: str, metr
     kernel = "decode" if max(q_lens, default=1) == 1 else "prefill"
 
     def write_and_attend() -> dict[str, Any]:  # on the device worker, the encoding of `out` too (MBs of base64)
-        if kv is not None:
-            pool.engine.write(kv[0], kv[1], torch.from_numpy(slots), layer=body.layer)
+        slots_t = torch.from_numpy(slots)
+        saved = None
+        if kv is not None:  # kept to be put back if the output is refused (all-or-nothing)
+            saved = pool.engine.save_slots(slots_t, body.layer)
+            pool.engine.write(kv[0], kv[1], slots_t, layer=body.layer)
         started = time.perf_counter()
         out = pool.engine.attend(
             q,
@@ -62,8 +65,12 @@ async def attend_checked(body: AttendRequest, pool: PoolState, tenant: str, metr
             scale=body.scale,
             sliding_window=body.sliding_window,
             softcap=body.softcap,
-        )
+        ).to("cpu")
         metrics.observe_attention(kernel, pool.engine.backend, started)
+        if not all_finite(out):  # the one check of every backend's output (plain, FP8, MLA)
+            if saved is not None:
+                pool.engine.restore_slots(slots_t, body.layer, saved)
+            raise non_finite_output(out, q, body, q_lens)
         return encode(out)
 
     pairs = int((np.asarray(q_lens) * (cache_lengths + np.asarray(q_lens))).sum())  # (query, key) pairs, at most
@@ -72,3 +79,17 @@ async def attend_checked(body: AttendRequest, pool: PoolState, tenant: str, metr
     # Submitted with no await since the bookkeeping: device work keeps its order.
     out = await pool.engine.submit(write_and_attend, inline)
     return json_response({"out": out})
+
+
+def non_finite_output(out: torch.Tensor, q: torch.Tensor, body: AttendRequest, q_lens: list[int]) -> NonFiniteOutput:
+    """The refusal of an output with NaN or infinite values (out: [T, Hq, *], q: [T, Hq, D]), naming the
+    sequences whose rows are not finite and the size of their queries."""
+    bad_rows = ~torch.isfinite(out.float()).flatten(1).all(1)  # [T]
+    starts = np.cumsum([0, *q_lens])
+    seq_ids = [sid for i, sid in enumerate(body.seq_ids) if bad_rows[starts[i] : starts[i + 1]].any()]
+    scale = "" if body.scale is None else f", scale {body.scale:.3g}"
+    cause = (
+        f"the scores q . k x scale overflow float32 (max |q| {float(q.float().abs().max()):.3g}{scale}), or K/V "
+        "at their positions hold values too large"
+    )
+    return NonFiniteOutput(body.layer, seq_ids, cause)
