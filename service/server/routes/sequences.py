@@ -29,6 +29,9 @@ SeqIdPath = Annotated[str, Path(pattern=SEQ_ID_PATTERN)]
 # ?instance=true: the answer also names the server's instance_id (a client that maps the pool checks with it
 # that the pages it reads or writes are this server's, without a second call to /v1/pool).
 InstanceQuery = Annotated[bool, Query(description="also answer the server's instance_id")]
+# ?commit=false: the pages of the sequence not committed yet are released uncommitted (a client that could not
+# write them all says so, and no prefix ever hits them).
+CommitQuery = Annotated[bool, Query(description="commit the sequence's full pages not committed yet")]
 ERRORS = error_responses(401, 404, 409, 413, 422, 429, 507)
 
 
@@ -107,7 +110,8 @@ async def fork_sequence(seq_id: SeqIdPath, request: Request, pool: StateDep, ten
 
 
 @routes.delete("/v1/sequences/{seq_id}", response_model=FreeOut, responses=ERRORS)
-async def free_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep) -> Response:
-    """Free a sequence; its full written pages stay cached for prefix reuse."""
-    freed = pool.sequences.free(seq_id, tenant)
+async def free_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep, commit: CommitQuery = True) -> Response:
+    """Free a sequence; its full written pages stay cached for prefix reuse (commit=false: only those
+    committed before)."""
+    freed = pool.sequences.free(seq_id, tenant, commit)
     return json_response({"seq_id": seq_id, "freed_pages": freed})
