@@ -95,6 +95,7 @@ def engine_main(config: dict[str, Any]) -> None:
         model=config["model"], skip_tokenizer_init=True, dtype=config["dtype"], enforce_eager=True, block_size=32,
         max_model_len=4096, enable_prefix_caching=config["prefix_caching"],
         kv_cache_memory_bytes=(1 << 30) // tp, kv_transfer_config=transfer, **parallel,
+        kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
     )  # fmt: skip
     # Warm-up on a full-length prompt of its own (the first long prefill of a process pays allocations).
     warm = [TokensPrompt(prompt_token_ids=[3 + i % 1000 for i in range(config["warmup_tokens"])])]
@@ -116,6 +117,7 @@ def engine_main(config: dict[str, Any]) -> None:
             began = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
             answer: dict[str, Any] = {"s": time.perf_counter() - began, "cached": out.num_cached_tokens}
+            answer["tokens"] = list(out.outputs[0].token_ids)
             # This request's loads (done within its steps: the forward waits for them, the step reports them).
             answer["loads"] = {k: v - loads[k] for k, v in load_stats(connector, llm).items()}
             answer["parts"] = {name: spent[name] - parts.get(name, 0.0) for name in spent}
@@ -246,8 +248,11 @@ class Engine:
         fixed_malloc: bool,
         dtype: str = "float32",
         tp: int = 1,
+        **extra: str,
     ) -> None:
+        """extra: more of engine_main's config (kv_cache_dtype)."""
         config = {"model": model, "kvpool_url": url, "prefix_caching": prefix_caching, "token_bytes": per_token}
+        config.update(extra)
         config["dtype"] = dtype
         config["warmup_tokens"] = prompt_len
         config["tp"] = tp
@@ -344,6 +349,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="> 1: the tensor parallel mode (vllm_connector_tp)")
     parser.add_argument("--json", metavar="PATH", help="also write the TTFT figures to this JSON file")
     parser.add_argument("--plot", metavar="PATH", help="also draw them into this image (needs matplotlib)")
+    parser.add_argument(
+        "--mode", choices=("plain", "mla", "fp8_e5m2", "fp8_e4m3", "full-hit", "pd"), default="plain",
+        help="plain: this module's runs; the others: benchmarks/vllm_formats.py (MLA, FP8, full hits, P/D)",
+    )  # fmt: skip
+    parser.add_argument("--requests", type=int, default=20, help="pd: requests through the proxy")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # JSON: this process is one engine (engine_main)
     args = parser.parse_args()
     if args.engine:
@@ -354,6 +364,11 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as tmp:
             run_tp(args, tmp)
+        return
+    if args.mode != "plain":
+        from benchmarks.vllm_formats import main as formats_main  # (it imports this module)
+
+        formats_main(args)
         return
     tb, r = token_bytes(args), range(args.rounds)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,12 +1,12 @@
-"""Torch references of FP8 (e4m3) KV pages with per-group scales.
+"""Torch references of FP8 (e4m3, or e5m2) KV pages with per-group scales.
 
-  blocks  float8_e4m3fn [num_pages + 1, 2, L, P, H, D]
+  blocks  float8_e4m3fn (or float8_e5m2) [num_pages + 1, 2, L, P, H, D]
   scales  scale_dtype   [num_pages + 1, 2, L, P, H, D // g]: one scale per token, head and group of
           g channels; value = fp8 * scale. An unwritten slot has scale 0 (and values 0).
 
 Quantization: scale = amax(|x| over the group) / 448 (448 = largest finite e4m3), rounded to the
 scale dtype; fp8 = round-to-nearest-even(x / scale), saturated to ±448. A group of zeros gets scale
-0 and values 0 (no 0/0).
+0 and values 0 (no 0/0). An e5m2 pool divides by its own largest finite value (57344) instead.
 """
 
 from typing import Unpack
@@ -20,16 +20,20 @@ FP8_MAX = 448.0
 
 
 def quantize_fp8(
-    x: torch.Tensor, group: int, scale_dtype: torch.dtype = torch.float32
+    x: torch.Tensor,
+    group: int,
+    scale_dtype: torch.dtype = torch.float32,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [..., D] float -> (fp8 [..., D], scales [..., D // group] in scale_dtype)."""
+    """x: [..., D] float -> (fp8 [..., D] in fp8_dtype, scales [..., D // group] in scale_dtype)."""
+    fp8_max = torch.finfo(fp8_dtype).max  # 448 for e4m3
     grouped = x.float().unflatten(-1, (x.shape[-1] // group, group))  # [..., D//g, g]
     amax = grouped.abs().amax(dim=-1)
-    scale = (amax / FP8_MAX).to(scale_dtype)
+    scale = (amax / fp8_max).to(scale_dtype)
     s = scale.float()[..., None]
     safe = torch.where(s > 0, s, torch.ones_like(s))
-    y = torch.where(s > 0, grouped / safe, torch.zeros_like(grouped)).clamp(-FP8_MAX, FP8_MAX)
-    return y.flatten(-2).to(torch.float8_e4m3fn), scale
+    y = torch.where(s > 0, grouped / safe, torch.zeros_like(grouped)).clamp(-fp8_max, fp8_max)
+    return y.flatten(-2).to(fp8_dtype), scale
 
 
 def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -57,7 +61,7 @@ def store_kv_fp8_ref(
     keep = (slots >= 0) & (pages < num_pages)
     pages, offsets = pages[keep], offsets[keep]
     for i, x in enumerate((k, v)):
-        values, s = quantize_fp8(x, group, scales.dtype)
+        values, s = quantize_fp8(x, group, scales.dtype, blocks.dtype)
         if layer is None:
             # blocks[pages, i, :, offsets] -> [T, L, H, D]
             blocks[pages, i, :, offsets] = values[:, keep].transpose(0, 1)

@@ -9,7 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.hf_model import pool_geometry
 from service.remote_url import SCHEMES, is_cluster_url, parse_cluster_url
 from service.tenancy import parse_api_keys, parse_tenant_names
-from service.wire.dtypes import DTYPES, PoolDtype, ScaleDtype
+from service.wire.dtypes import DTYPES, FP8_DTYPES, PoolDtype, ScaleDtype
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -48,7 +48,7 @@ class Settings(BaseSettings):
         "subdirectory is made in it); empty: $XDG_RUNTIME_DIR or the temporary directory. Frontends in other "
         "containers need it on a volume they share",
     )
-    # FP8 pools (dtype float8_e4m3fn): one scale per token, head and group of g channels.
+    # FP8 pools (dtype float8_e4m3fn or float8_e5m2): one scale per token, head and group of g channels.
     scale_dtype: ScaleDtype = "float32"
     quant_granularity: int = Field(128, ge=1, le=4096, description="channels per FP8 scale; divides head_dim")
     # MLA pools: one latent of head_dim channels per token; the values are its first kv_lora_rank.
@@ -121,7 +121,7 @@ class Settings(BaseSettings):
     def geometry_tag(self) -> str:
         """What must match for two pools to share pages, as a key part (e.g. L4.H2.D64.P16.float32)."""
         tag = f"L{self.num_layers}.H{self.num_kv_heads}.D{self.head_dim}.P{self.page_size}.{self.dtype}"
-        if self.dtype == "float8_e4m3fn":
+        if self.dtype in FP8_DTYPES:
             tag += f".g{self.quant_granularity}.{self.scale_dtype}"
         if self.mla:
             tag += f".mla{self.kv_lora_rank}"
@@ -250,10 +250,10 @@ class Settings(BaseSettings):
 
 def check_formats(s: Settings) -> None:
     """FP8 and MLA settings that only make sense together with the geometry."""
-    if s.dtype == "float8_e4m3fn" and s.head_dim % s.quant_granularity:
+    if s.dtype in FP8_DTYPES and s.head_dim % s.quant_granularity:
         raise ValueError(
             f"KVPOOL_QUANT_GRANULARITY={s.quant_granularity} must divide KVPOOL_HEAD_DIM={s.head_dim} "
-            "when KVPOOL_DTYPE=float8_e4m3fn"
+            f"when KVPOOL_DTYPE={s.dtype}"
         )
     if s.mla:
         if s.num_kv_heads != 1:
@@ -265,14 +265,14 @@ def check_formats(s: Settings) -> None:
                 f"KVPOOL_KV_LORA_RANK={s.kv_lora_rank} must be less than KVPOOL_HEAD_DIM={s.head_dim} "
                 "(the latent is kv_lora_rank value channels plus the rope channels)"
             )
-        if s.dtype == "float8_e4m3fn":
-            raise ValueError("KVPOOL_MLA=true with KVPOOL_DTYPE=float8_e4m3fn is not supported yet")
+        if s.dtype in FP8_DTYPES:
+            raise ValueError(f"KVPOOL_MLA=true with KVPOOL_DTYPE={s.dtype} is not supported yet")
 
 
 def page_nbytes(s: Settings) -> int:
     kv = 1 if s.mla else 2
     per_layer = kv * s.page_size * s.num_kv_heads * s.head_dim * DTYPES[s.dtype].itemsize
-    if s.dtype == "float8_e4m3fn":
+    if s.dtype in FP8_DTYPES:
         scales = s.head_dim // s.quant_granularity
         per_layer += kv * s.page_size * s.num_kv_heads * scales * DTYPES[s.scale_dtype].itemsize
     return s.num_layers * per_layer

@@ -16,7 +16,8 @@ def pool_geometry(model_dir: str) -> dict[str, Any]:
 
     head_dim is the config's own when present, else hidden_size / num_attention_heads; num_kv_heads
     defaults to num_attention_heads (no GQA); the dtype comes from `dtype` (transformers >= 5) or
-    `torch_dtype`, and is left out when the config names none or one the pool cannot hold.
+    `torch_dtype`, and is left out when the config names none or one the pool cannot hold. An MLA model
+    (its config has kv_lora_rank) gets an MLA pool: 1 KV head of kv_lora_rank + qk_rope_head_dim channels.
     """
     path = Path(model_dir) / "config.json"
     try:
@@ -37,6 +38,10 @@ def pool_geometry(model_dir: str) -> dict[str, Any]:
         raise ValueError(
             f"{path} lacks the geometry of a decoder (num_hidden_layers, num_attention_heads, ...): {exc}"
         ) from None
+    if config.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3): one latent per token, kv_lora_rank + rope channels
+        rank = int(config["kv_lora_rank"])
+        geometry |= {"mla": True, "kv_lora_rank": rank, "num_kv_heads": 1}
+        geometry["head_dim"] = rank + int(config.get("qk_rope_head_dim") or 0)
     named = [c.get("dtype") or c.get("torch_dtype") for c in (config, top)]
     dtype = _DTYPES.get(str(next((n for n in named if n), "")))
     if dtype:

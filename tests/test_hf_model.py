@@ -49,3 +49,14 @@ def test_kvpool_serve_takes_model(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode != 0
     assert "cannot read the model's config" in run.stderr
+
+
+def test_an_mla_config_makes_an_mla_pool(tmp_path: Path) -> None:
+    """DeepSeek-V2/V3: one latent per token of kv_lora_rank + qk_rope_head_dim channels, one KV head."""
+    model = write_config(
+        tmp_path, num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, torch_dtype="bfloat16",
+    )  # fmt: skip
+    s = Settings(model=model)
+    assert (s.num_layers, s.num_kv_heads, s.head_dim, s.dtype) == (4, 1, 576, "bfloat16")
+    assert (s.mla, s.kv_lora_rank) == (True, 512)

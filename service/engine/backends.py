@@ -2,7 +2,7 @@
 each kind of pool, and the one place that picks the implementation.
 
   PlainPages  blocks [N+1, 2, L, P, H, D] in float32 / float16 / bfloat16
-  Fp8Pages    float8_e4m3fn blocks + per-group scales [N+1, 2, L, P, H, D // g]: quantize on store
+  Fp8Pages    float8_e4m3fn (or float8_e5m2) blocks + per-group scales [N+1, 2, L, P, H, D // g]: quantize on store
   MlaPages    blocks [N+1, 1, L, P, 1, D]: one latent per token; values are its first kv_lora_rank channels
 
 Each runs the torch references (kernels/reference*.py) or the Triton kernels; a plain CPU pool may also
@@ -169,13 +169,16 @@ def select_backend(storage: Storage, setting: str) -> Backend:
     """
     device = storage.device
     special = storage.scales is not None or storage.mla
+    e5m2 = storage.dtype == torch.float8_e5m2  # the Triton FP8 kernels are e4m3's: its references run
     if setting == "auto":
-        setting = "triton" if device.type != "cpu" else "torch" if special else "cpu"
+        setting = "torch" if e5m2 else "triton" if device.type != "cpu" else "torch" if special else "cpu"
     if setting not in ("triton", "cpu", "torch"):
         raise ValueError(f"unknown attention backend {setting!r}: auto, triton, cpu or torch")
     if setting == "cpu" and device.type != "cpu":
         raise RuntimeError(f"attention backend 'cpu' runs on a CPU pool, not on {device}")
     name = cast(BackendName, setting)
+    if name == "triton" and e5m2:
+        raise RuntimeError("the Triton FP8 kernels store and read e4m3: an e5m2 pool runs attention backend 'torch'")
     if name == "triton" and device.type == "cpu":
         # CPU tensors can only run through the interpreter: set before any kernel module is imported.
         os.environ["TRITON_INTERPRET"] = "1"

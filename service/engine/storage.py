@@ -17,7 +17,7 @@ from service.config import Settings
 from service.ipc.cuda_ipc import check_exportable, export_cuda
 from service.ipc.memfd import SealedFile, create_sealed, memfd_available
 from service.ipc.shm import Segment, create_shared
-from service.wire.dtypes import DTYPES, StoredDtype
+from service.wire.dtypes import DTYPES, FP8_DTYPES, StoredDtype
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,7 +40,7 @@ def blocks_shape(settings: Settings) -> tuple[int, int, int, int, int, int]:
 def scales_shape(settings: Settings) -> tuple[int, int, int, int, int, int] | None:
     """FP8 pools: scales[num_pages + 1, 2, L, P, H, head_dim // g], indexed by the same pages; else None."""
     s = settings
-    if s.dtype != "float8_e4m3fn":
+    if s.dtype not in FP8_DTYPES:
         return None
     return (s.num_pages + 1, 2, s.num_layers, s.page_size, s.num_kv_heads, s.head_dim // s.quant_granularity)
 

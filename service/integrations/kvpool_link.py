@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
+import torch
 
 from service.client import AttachedPool, KVPoolClient, SequenceInfo
 from service.core.errors import KVPoolError, SequenceNotFound
@@ -31,9 +32,11 @@ class Geometry:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_lora_rank: int = 0  # MLA: one latent of head_dim = kv_lora_rank + rope channels per token (1 KV head)
 
     def describe(self) -> str:
-        return f"{self.num_layers} layers x {self.num_kv_heads} KV heads x head_dim {self.head_dim}, {self.dtype}"
+        mla = f" (MLA, kv_lora_rank {self.kv_lora_rank})" if self.kv_lora_rank else ""
+        return f"{self.num_layers} layers x {self.num_kv_heads} KV heads x head_dim {self.head_dim}, {self.dtype}{mla}"
 
 
 class GeometryMismatch(ValueError):
@@ -73,7 +76,8 @@ class KVPoolLink:
             mapped = self.client.attach() if self.attach else None
             if mapped is not None and mapped.device.type == "cpu":
                 # Fault the mapping in now (one read per 4 KiB page), not during the first loads and saves.
-                mapped.blocks.view(-1)[:: 4096 // mapped.blocks.element_size()].sum()
+                raw = mapped.blocks.view(-1).view(torch.uint8)  # (FP8 has no sum on the CPU)
+                raw[::4096].sum()
         except (GeometryMismatch, KVPoolError) as exc:
             status = getattr(exc, "status", 0)
             if isinstance(exc, GeometryMismatch) or status in (401, 403):
@@ -97,13 +101,16 @@ class KVPoolLink:
         return True
 
     def check_geometry(self, pool: dict[str, Any]) -> None:
-        have = Geometry(int(pool["num_layers"]), int(pool["num_kv_heads"]), int(pool["head_dim"]), str(pool["dtype"]))
-        if pool.get("mla") or pool.get("scale_dtype") or have != self.model:
+        rank = int(pool.get("kv_lora_rank") or 0) if pool.get("mla") else 0
+        have = Geometry(
+            int(pool["num_layers"]), int(pool["num_kv_heads"]), int(pool["head_dim"]), str(pool["dtype"]), rank
+        )
+        if have != self.model:
             raise GeometryMismatch(
-                f"kvpool at {self.url} holds {have.describe()}{' (MLA)' if pool.get('mla') else ''}, "
+                f"kvpool at {self.url} holds {have.describe()}, "
                 f"but the vLLM model's KV cache is {self.model.describe()}: start kvpool with "
                 "`kvpool serve --model <the model's directory>` (or KVPOOL_NUM_LAYERS, ..._NUM_KV_HEADS, "
-                "..._HEAD_DIM, ..._DTYPE) to match"
+                "..._HEAD_DIM, ..._DTYPE, ..._MLA) to match"
             )
 
     def usable(self) -> bool:

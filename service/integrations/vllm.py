@@ -6,7 +6,8 @@
 
 Extra config keys: `kvpool_url` (required), `kvpool_api_key` (a Bearer key of KVPOOL_API_KEYS; its
 tenant must be in KVPOOL_IPC_TENANTS), `timeout_s` (per HTTP call, 5), `retry_interval_s` (how long
-calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the step wait).
+calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the step wait), `load_wait_s`
+(2; how long a consumer's lookup waits for the tokens a producer announced in kv_transfer_params).
 
 Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is the cached
 prefix, held (not evictable) until its first save, or until the request finishes or is aborted. The hit
@@ -31,9 +32,12 @@ each rank reads and writes its own KV heads and layers of the same pages (vllm_w
 saved at one tensor parallel degree loads at any other. vLLM's block size and kvpool's page size are
 independent: vllm_copy moves runs of gcd(page, block) tokens, every layer in one compiled pass where a rank
 holds the whole pool's geometry (torch ops for a part of it, or where the compiled copy is not built). A
-request's `cache_salt` salts kvpool's prefix hashes, so different salts never share pages. The block
-layouts of vLLM's CPU attention and of its GPU backends (flash_attn, triton_attn, flashinfer: vllm_layout)
-are supported; what the connector refuses at start is listed in the README. On a GPU the K/V moves through
+request's `cache_salt` salts kvpool's prefix hashes, so different salts never share pages. Block layouts:
+those of vLLM's CPU attention and of its GPU backends (flash_attn, triton_attn, flashinfer: vllm_layout,
+read through views), and any other a layer's writer stores as a permutation of its tokens' elements
+(vllm_blockmap, learned at start: vLLM's AMX blocks, FP8 caches, MLA latents; copied for a whole pool's
+heads only, so not under tensor parallelism that splits the heads); what the connector refuses at start is
+listed in docs/vllm.md. On a GPU the K/V moves through
 torch ops (on the connector's thread, which waits for the device where the CPU path waits for its copies),
 and a CUDA pool (kvpool serving on the GPU) is mapped by CUDA IPC.
 """
@@ -54,7 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.integrations.kvpool_link import KVPoolLink
-from service.integrations.vllm_metadata import model_geometry
+from service.integrations.vllm_metadata import Role, model_geometry
 from service.integrations.vllm_scheduler import KVPoolConnectorScheduler
 from service.integrations.vllm_thread import ConnectorThread
 from service.integrations.vllm_worker import KVPoolConnectorWorker
@@ -76,7 +80,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         if not extra.get("kvpool_url"):
             raise ValueError("KVPoolConnector needs kv_connector_extra_config.kvpool_url (e.g. http://127.0.0.1:8000)")
-        unknown = set(extra) - {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s", "max_queued_saves"}
+        known = {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s", "max_queued_saves", "load_wait_s"}
+        unknown = set(extra) - known
         if unknown:
             raise ValueError(f"KVPoolConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
         self._block_size = vllm_config.cache_config.block_size
@@ -98,10 +103,17 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._thread = ConnectorThread(int(extra.get("max_queued_saves", 64)))
         self._waits: Counter[str] = Counter()  # counted on vLLM's thread (link.stats: on the connector's)
         atexit.register(self._close)  # an exit without shutdown() (vLLM's engine failed) still runs what is queued
+        transfer = self._kv_transfer_config
+        kv_role = Role(transfer.is_kv_consumer, transfer.is_kv_producer, float(extra.get("load_wait_s", 2.0)))
         # One object per role, each only in its role.
         self._scheduler = (
             KVPoolConnectorScheduler(
-                self._link, self._thread, self._waits, self._block_size, vllm_config.parallel_config.world_size
+                self._link,
+                self._thread,
+                self._waits,
+                self._block_size,
+                vllm_config.parallel_config.world_size,
+                kv_role,
             )
             if role == KVConnectorRole.SCHEDULER
             else None

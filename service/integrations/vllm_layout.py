@@ -15,8 +15,8 @@ and its backends store K/V into it two ways:
 
 The views are strided (no copy). `check_layout` proves which layout a backend writes at start, by writing
 known K/V through the backend's own `do_kv_cache_update` into a scratch cache shaped and strided like the
-real one and reading them back through each layout's views: a backend that lays blocks out some other way is
-refused instead of read wrong.
+real one and reading them back through each layout's views; a backend that lays blocks out some other way
+raises, and the connector then learns its layout (vllm_blockmap) or refuses it, instead of reading it wrong.
 """
 
 from enum import Enum

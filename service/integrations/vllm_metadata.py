@@ -11,8 +11,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from service.integrations.kvpool_link import Geometry
 from service.wire.dtypes import dtype_name
 
-# KV-cache dtypes the connector copies (an FP8 cache is refused: kvpool keeps FP8 with scales of its own).
+# KV-cache dtypes the connector copies: the model's own ("auto"), or vLLM's FP8 caches, held by kvpool's FP8
+# pools of the same format (vLLM's per-layer k_scale / v_scale written as the pages' scales: vllm_blockmap).
 SUPPORTED = ("float32", "float16", "bfloat16")
+FP8_CACHES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 @dataclass
@@ -69,11 +71,21 @@ class KVPoolWorkerMeta(KVConnectorWorkerMetadata):
 Job = TypeVar("Job", LoadJob, SaveJob)
 
 
+@dataclass(frozen=True)
+class Role:
+    """What vLLM's kv_role lets this engine do (kv_producer: saves; kv_consumer: loads; kv_both: both), and
+    how long a lookup waits for the tokens a producer announced (kv_transfer_params: vllm_scheduler)."""
+
+    loads: bool = True
+    saves: bool = True
+    load_wait_s: float = 2.0
+
+
 @dataclass
 class Pin:
     seq_id: str
     pages: list[int]  # the pages of tokens [0, hit)
-    hit: int  # cached tokens, cut to vLLM's block size
+    hit: int  # cached tokens vLLM is offered: every one but the prompt's last
     cached: int  # cached tokens as kvpool reported them (full pages)
     start: int = 0  # tokens vLLM had locally when it asked
 
@@ -86,10 +98,16 @@ def model_geometry(vllm_config: VllmConfig) -> Geometry:
         # vLLM 0.32's CPU build cannot run it (its second stage fails `assert self.intermediate_tensors is not
         # None` in gpu_model_runner.sync_and_gather_intermediate_tensors, vLLM alone): untested, so refused.
         raise ValueError("kvpool's vLLM connector does not support pipeline parallelism yet (tensor parallel: yes)")
-    if model.use_mla:
-        raise ValueError("kvpool's vLLM connector does not support MLA models yet")
     cache_dtype = vllm_config.cache_config.cache_dtype
     name = dtype_name(model.dtype) if cache_dtype == "auto" and isinstance(model.dtype, torch.dtype) else None
-    if name not in SUPPORTED:
-        raise ValueError(f"kvpool's vLLM connector needs a float32/float16/bfloat16 KV cache, not {cache_dtype}")
-    return Geometry(model.get_total_num_hidden_layers(), model.get_total_num_kv_heads(), model.get_head_size(), name)
+    name = FP8_CACHES.get(cache_dtype, name)
+    if name not in (*SUPPORTED, *FP8_CACHES.values()):
+        raise ValueError(
+            f"kvpool's vLLM connector needs a float32/float16/bfloat16 or fp8/fp8_e4m3/fp8_e5m2 KV cache, not "
+            f"{cache_dtype} (model dtype {model.dtype})"
+        )
+    layers = model.get_total_num_hidden_layers()
+    if model.use_mla:  # one latent per token: kv_lora_rank + rope channels (vLLM's head size), one "head"
+        rank = int(model.hf_text_config.kv_lora_rank)
+        return Geometry(layers, 1, model.get_head_size(), name, rank)
+    return Geometry(layers, model.get_total_num_kv_heads(), model.get_head_size(), name)

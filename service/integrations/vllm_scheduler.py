@@ -3,7 +3,10 @@ commits what every rank has saved.
 
 A new request's token ids create a kvpool sequence (the *pin*): its block table is the cached prefix,
 held (not evictable) until its first save, or until the request finishes or is aborted. The hit answered
-is that prefix cut to vLLM's block size: one call per request, however many ranks load it.
+is every token of that prefix but the prompt's last (vLLM computes at least one token): one call per
+request, however many ranks load it. The lookup sends one token more than the prompt, so that kvpool, which
+never matches a prompt's last token, may match the page holding it; the loads then end inside a vLLM block
+(vLLM allows a partial last block).
 
 Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated for a hit and a save for
 every request whose computed tokens filled more kvpool pages. The scheduler appends those pages itself
@@ -17,6 +20,13 @@ KV heads and layers are written, and its pages are never released while a rank m
 A rank that dies never reports: its saves stay uncommitted, and kvpool frees them when vLLM shuts the
 connector down (or holds them, if the engine dies with them). A request given saves keeps its blocks after
 it finishes until every rank reports its saves done (get_finished, summed the same way by vLLM).
+
+Roles (vLLM's kv_role): a kv_producer only saves, a kv_consumer only loads, kv_both does both. A saving
+engine's finished request carries kv_transfer_params {"kvpool_tokens": the tokens of it kvpool holds or
+a save is writing, "kvpool_instance"}; a proxy that hands them to the consumer's request (as vLLM's
+disaggregated-serving proxies do) makes the consumer's lookup wait, up to `load_wait_s`, until kvpool
+holds that many of the prompt's tokens: the producer's saves land after its response, and a consumer
+that asked at once would otherwise recompute the prompt (the producer never waits for its saves).
 """
 
 import time
@@ -30,8 +40,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
-from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, LoadJob, Pin, SaveJob
+from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, LoadJob, Pin, Role, SaveJob
 from service.integrations.vllm_thread import ConnectorThread
+
+LOAD_WAIT_POLL_S = 0.005  # a consumer's lookup asks kvpool again this often while it waits
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -56,9 +68,16 @@ class KVPoolConnectorScheduler:
     saves waiting for their ranks."""
 
     def __init__(
-        self, link: KVPoolLink, thread: ConnectorThread, waits: Counter[str], block_size: int, num_ranks: int
+        self,
+        link: KVPoolLink,
+        thread: ConnectorThread,
+        waits: Counter[str],
+        block_size: int,
+        num_ranks: int,
+        role: Role,
     ) -> None:
         self._link, self._thread, self._waits, self._block_size = link, thread, waits, block_size
+        self._role = role
         self._num_ranks = num_ranks  # the workers that write and report each save (tensor x pipeline parallel)
         self._requests: dict[str, Request] = {}
         self._pins: dict[str, Pin] = {}
@@ -71,6 +90,8 @@ class KVPoolConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
+        if not self._role.loads:
+            return 0, False
         pin = self._pins.get(request.request_id)
         if pin is None:
             pin = self._pin(request)
@@ -81,12 +102,23 @@ class KVPoolConnectorScheduler:
 
     def _pin(self, request: "Request") -> Pin | None:
         link, token_ids, salt = self._link, list(request.all_token_ids), request.cache_salt
+        # One token more: kvpool never matches a prompt's last token, and the page holding ours may be cached.
+        # (Its id is never hashed: it starts a page of its own or ends a partial one.)
+        lookup_ids = [*token_ids, token_ids[-1]]
+        expected = self._announced(request, len(token_ids))
 
         def lookup() -> "SequenceInfo | None":
             if not link.usable():
                 return None
             began = time.perf_counter_ns()
-            info = link.create(token_ids, salt)
+            deadline = time.monotonic() + self._role.load_wait_s
+            info = link.create(lookup_ids, salt)
+            # A producer's save still under way: wait, bounded, until kvpool holds what it announced.
+            while info is not None and info.cached_tokens < expected and time.monotonic() < deadline:
+                link.free(info.seq_id)  # holds only cached pages: the free commits nothing
+                time.sleep(LOAD_WAIT_POLL_S)
+                link.stats["load_wait_polls"] += 1
+                info = link.create(lookup_ids, salt)
             link.stats["lookups"] += 1  # one per request, however many ranks load it
             link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
             return info
@@ -94,7 +126,9 @@ class KVPoolConnectorScheduler:
         info = self._thread.run(lookup)
         if info is None:
             return None
-        hit = info.cached_tokens // self._block_size * self._block_size
+        if info.cached_tokens < expected:
+            link.stats["load_wait_timeouts"] += 1
+        hit = min(info.cached_tokens, len(token_ids) - 1)
         self._saved[request.request_id] = max(self._saved.get(request.request_id, 0), info.cached_tokens)
         # Kept even without a hit: the request's first save appends to it (build_connector_meta).
         pages = info.block_table[: -(-hit // link.page_size)]
@@ -122,7 +156,7 @@ class KVPoolConnectorScheduler:
         self._loads = []
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
         page_size = self._link.page_size
-        if not page_size or manager is None:
+        if not page_size or manager is None or not self._role.saves:
             return meta
         planned: list[tuple[str, int, list[int], Pin | None]] = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -217,12 +251,28 @@ class KVPoolConnectorScheduler:
         if pin is not None:
             self._release(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
         self._requests.pop(req_id, None)
-        self._saved.pop(req_id, None)
+        params = self._announcement(self._saved.pop(req_id, 0))
         # A request given saves keeps its blocks until every rank's get_finished says they are copied.
         if req_id in self._saving:
             self._saving.discard(req_id)
-            return True, None
-        return False, None
+            return True, params
+        return False, params
+
+    def _announcement(self, tokens: int) -> dict[str, Any] | None:
+        """What a producer's response tells the consumer's request: the tokens kvpool holds or is being
+        sent (full pages), and which kvpool."""
+        if not (self._role.saves and tokens and self._link.instance_id):
+            return None
+        return {"kvpool_tokens": tokens, "kvpool_instance": self._link.instance_id}
+
+    def _announced(self, request: "Request", num_tokens: int) -> int:
+        """Tokens of this prompt a producer announced for this kvpool (capped by what a lookup can match)."""
+        params = request.kv_transfer_params or {}
+        tokens = params.get("kvpool_tokens")
+        if not isinstance(tokens, int) or params.get("kvpool_instance") != self._link.instance_id:
+            return 0
+        page_size = self._link.page_size or 1
+        return min(tokens, num_tokens) // page_size * page_size
 
     def discard_open_saves(self) -> None:
         """At shutdown: saves not reported by every rank are released uncommitted."""

@@ -15,6 +15,7 @@ the saves of preempted requests finish first.
 """
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -30,6 +31,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_
 from vllm.model_executor.models.utils import extract_layer_index
 
 from service.integrations.kvpool_link import KVPoolLink
+from service.integrations.vllm_blockmap import BlockMap, LearnedCopier, UnknownLayout, learn_block_map
 from service.integrations.vllm_copy import KVCopier, Writer
 from service.integrations.vllm_layout import Layout, check_layout
 from service.integrations.vllm_metadata import Job, KVPoolMetadata, KVPoolWorkerMeta, LoadJob, SaveJob
@@ -77,7 +79,7 @@ class KVPoolConnectorWorker:
         # and the attention backend's writer into it (what loads store K/V with).
         self._layers: dict[int, torch.Tensor] = {}
         self._writers: dict[int, Writer] = {}
-        self._copier: KVCopier | None = None
+        self._copier: KVCopier | LearnedCopier | None = None
         self._shard: Shard | None = None
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
@@ -92,10 +94,23 @@ class KVPoolConnectorWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context
+        if torch.cpu._is_amx_tile_supported():
+            # Ask Linux for the AMX tile state now: vLLM's CPU attention (0.32) uses AMX tiles without asking when
+            # a process's first forward attends over a context it did not compute (a hit loaded from kvpool),
+            # and dies of SIGILL; a first forward that computed its prompt had asked.
+            torch.cpu._init_amx()
         layouts: set[Layout] = set()
+        maps: list[BlockMap] = []
+        kv_scales: dict[int, tuple[float, float]] = {}
         for name, cache in kv_caches.items():
             layer = layers[name]
-            layouts.add(check_layout(layer, cache))
+            layout = self._layout(layer, cache)
+            if isinstance(layout, BlockMap):
+                maps.append(layout)
+                if self._link.model.dtype.startswith("float8"):
+                    kv_scales[extract_layer_index(name)] = (float(layer._k_scale_float), float(layer._v_scale_float))
+            else:
+                layouts.add(layout)
             if cache.dim() == 4 and cache.shape[2] != self._block_size:  # kernel blocks smaller than vLLM's
                 raise ValueError(
                     f"KVPoolConnector: layer {name} stores blocks of {cache.shape[2]} tokens, vLLM's block size "
@@ -109,19 +124,53 @@ class KVPoolConnectorWorker:
             raise ValueError(
                 f"KVPoolConnector: expected layers 0..{model.num_layers - 1}, vLLM registered {sorted(self._layers)}"
             )
-        if len(layouts) != 1:
-            raise ValueError(f"KVPoolConnector: the layers' KV block layouts differ: {sorted(x.name for x in layouts)}")
         self._shard = Shard(
             *head_shard(model.num_kv_heads, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
         )
+        # The compiled copy takes a whole pool's heads; a part of them is copied by torch ops.
+        whole = self._shard.num_heads == model.num_kv_heads
+        if maps:
+            if layouts or any(not torch.equal(m.where, maps[0].where) for m in maps):
+                raise ValueError("KVPoolConnector: the layers' KV block layouts differ")
+            if not whole:
+                raise ValueError(
+                    "KVPoolConnector: a learned block layout (FP8 cache, AMX blocks) is copied for a whole pool's KV "
+                    "heads only: tensor parallelism that splits the KV heads is not supported with it yet"
+                )
+            self._copier = LearnedCopier(self._layers, maps[0], kv_scales or None)
+            return
+        if len(layouts) != 1:
+            raise ValueError(f"KVPoolConnector: the layers' KV block layouts differ: {sorted(x.name for x in layouts)}")
         cache_heads = self._layers[0].shape[1]
         if cache_heads != self._shard.num_heads:
             raise ValueError(
                 f"KVPoolConnector: vLLM's cache holds {cache_heads} KV heads per rank, not {self._shard.num_heads}"
             )
-        # The compiled copy takes a whole pool's heads; a part of them is copied by torch ops.
-        whole = self._shard.num_heads == model.num_kv_heads
         self._copier = KVCopier(self._layers, self._writers, self._block_size, native=whole, layout=layouts.pop())
+
+    def _layout(self, layer: Any, cache: torch.Tensor) -> Layout | BlockMap:
+        """A known view layout (vllm_layout) for a plain cache, else the block layout the layer's writer is
+        seen to store (vllm_blockmap: AMX tiles, FP8 bytes, MLA latents); ValueError when neither reads it."""
+        model = self._link.model
+        known = ""
+        if not model.kv_lora_rank and not model.dtype.startswith("float8"):
+            try:
+                return check_layout(layer, cache)
+            except ValueError as exc:
+                known = f"{exc}; "
+        write = probe_writer(layer, model.kv_lora_rank)
+        components = 1 if model.kv_lora_rank else 2
+        if model.kv_lora_rank and cache.dim() == 4 and cache.shape[1] == 1:
+            cache = cache.squeeze(1)  # what an MLA layer writes into (vLLM's MLAAttention: [blocks, block, D])
+        dtype = self._vllm_config.model_config.dtype  # what the writer takes K/V in
+        assert isinstance(dtype, torch.dtype)
+        try:
+            return learn_block_map(write, cache, components, model.num_kv_heads, model.head_dim, dtype)
+        except (UnknownLayout, RuntimeError) as exc:
+            raise ValueError(
+                f"KVPoolConnector: {known}the block layout {type(layer.impl).__name__} writes is not a permutation "
+                f"of its tokens' K/V: {exc}"
+            ) from exc
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         assert isinstance(meta, KVPoolMetadata)
@@ -148,7 +197,18 @@ class KVPoolConnectorWorker:
             return False
         assert self._copier is not None and self._shard is not None
         began = time.perf_counter_ns()
-        self._copier.load(self._shard.of(pool.blocks), job.pages, job.block_ids, job.start, job.start + job.count)
+        # A hit that stops one token short of the prompt ends inside a run of g = gcd(page, block) tokens: the
+        # copy takes the whole run. The tokens past the hit are in a kvpool page that holds them and in a block
+        # vLLM allocated (the run lies in one block, beside the hit's last token); vLLM writes their slots when
+        # it computes them, before its attention reads them.
+        g = math.gcd(link.page_size, self._block_size)
+        end = -(-(job.start + job.count) // g) * g
+        if isinstance(self._copier, LearnedCopier):  # a whole pool's heads (register_kv_caches)
+            if not self._copier.load(pool.blocks, pool.scales, job.pages, job.block_ids, job.start, end):
+                link.stats["load_scale_mismatches"] += 1
+                return False
+        else:
+            self._copier.load(self._shard.of(pool.blocks), job.pages, job.block_ids, job.start, end)
         link.stats["load_copy_ns"] += time.perf_counter_ns() - began
         # The copy is right only if the pin (hence its pages) lived throughout on the mapped server: the pin
         # exists now on the mapped instance (one call, its answer naming the instance; a server loses its
@@ -212,7 +272,10 @@ class KVPoolConnectorWorker:
         if pool is None:
             return False
         began = time.perf_counter_ns()
-        self._copier.save(self._shard.of(pool.blocks), job.block_ids, job.pages, job.start, job.end)
+        if isinstance(self._copier, LearnedCopier):  # a whole pool's heads (register_kv_caches)
+            self._copier.save(pool.blocks, pool.scales, job.block_ids, job.pages, job.start, job.end)
+        else:
+            self._copier.save(self._shard.of(pool.blocks), job.block_ids, job.pages, job.start, job.end)
         link.stats["save_copy_ns"] += time.perf_counter_ns() - began
         link.stats["written_tokens"] += job.end - job.start
         return True
@@ -261,6 +324,21 @@ class KVPoolConnectorWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+
+def probe_writer(layer: Any, kv_lora_rank: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """The layer's own cache writer as vllm_blockmap's probes call it: (values [C, T, H, D], cache, slots)."""
+    if kv_lora_rank:  # MLA: the latent [T, kv_lora_rank] and its rope part [T, 1, rope] (vLLM's mla_attention)
+
+        def write_latent(values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+            latent = values[0]  # [T, 1, D]
+            k_scale = getattr(layer, "_k_scale", torch.ones(()))
+            rope = latent[:, :, kv_lora_rank:].contiguous()
+            layer.impl.do_kv_cache_update(latent[:, 0, :kv_lora_rank].contiguous(), rope, cache, slots,
+                                          layer.kv_cache_dtype, k_scale)  # fmt: skip
+
+        return write_latent
+    return lambda values, cache, slots: _write_layer(layer, cache, values[0], values[1], slots)
 
 
 def _write_layer(layer: Any, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:

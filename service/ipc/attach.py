@@ -73,6 +73,9 @@ class AttachedPool:
         fds = receive_pool_fds(description, api_key) if self.kind == "memfd" else []
         try:
             self.blocks: torch.Tensor = open_tensor(self.kind, description["blocks"], fds)
+            # FP8 pools: the per-group scales [num_pages + 1, 2, num_layers, page_size, num_kv_heads, head_dim // g].
+            scales = description.get("scales")
+            self.scales: torch.Tensor | None = None if scales is None else open_tensor(self.kind, scales, fds)
         finally:
             for fd in fds:  # the mapping keeps the memory
                 os.close(fd)
@@ -142,8 +145,8 @@ class AttachedPool:
             )
 
     def close(self) -> None:
-        """Drop this object's view; the mapping is released once no tensor views it any more."""
-        self.blocks = torch.empty(0)
+        """Drop this object's views; a mapping is released once no tensor views it any more."""
+        self.blocks, self.scales = torch.empty(0), None
 
     def __enter__(self) -> "AttachedPool":
         return self

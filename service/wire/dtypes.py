@@ -15,13 +15,16 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-PoolDtype = Literal["float32", "float16", "bfloat16", "float8_e4m3fn"]
+PoolDtype = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+# FP8 pools: values in one of these formats plus per-group scales (value = fp8 * scale). e5m2 is kept for
+# vLLM's fp8_e5m2 KV caches, whose bytes the connector stores as they are.
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 ScaleDtype = Literal["float32", "bfloat16"]  # FP8 pools: the per-group scales
 StoredDtype = Literal[PoolDtype, ScaleDtype]  # the pool tensors GET /v1/ipc exports
 TensorDtype = Literal["float32", "float16", "bfloat16", "uint32", "int32", "int64"]  # JSON tensors
 
 # numpy has no bfloat16 or float8: their bytes are carried as unsigned integers of the same width.
-_RAW_BITS = {"bfloat16": "<u2", "float8_e4m3fn": "<u1"}
+_RAW_BITS = {"bfloat16": "<u2", "float8_e4m3fn": "<u1", "float8_e5m2": "<u1"}
 
 
 @dataclass(frozen=True)

@@ -184,3 +184,43 @@ def test_fp8_ipc_exports_values_and_scales(start_server: Any) -> None:
         assert torch.equal(got_scales, expected_scales)
     assert not scales[1, :, :, 1:].any() and not scales[2:].any()  # unwritten slots and the null page
     assert not blocks[2:].view(torch.uint8).any()
+
+
+def test_fp8_e5m2_pool_attends_and_maps_its_scales(start_server: Any) -> None:
+    """An e5m2 pool (vLLM's fp8_e5m2 caches): e5m2 values with per-group scales, attended by the references
+    (auto picks torch), and both tensors mapped by a client's attach()."""
+    from service.client import KVPoolClient
+
+    server: Server = start_server({**FP8, "KVPOOL_DTYPE": "float8_e5m2"})
+    c = server.client
+    pool = c.get("/v1/pool").json()
+    assert (pool["dtype"], pool["scale_dtype"], pool["quant_granularity"]) == ("float8_e5m2", "float32", 8)
+    torch.manual_seed(9)
+    k, v = torch.randn(L, 5, H, D) * 3, torch.randn(L, 5, H, D)
+    assert c.post("/v1/sequences", json={"seq_id": "a"}).status_code == 201
+    assert c.post("/v1/sequences/a/append", json={"num_tokens": 5, "k": enc(k), "v": enc(v)}).status_code == 200
+    q = torch.randn(2, 4, D)
+    out = attend(c, ["a"], q, [2])
+
+    def roundtrip(x: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8(*quantize_fp8(x, 8, torch.float32, torch.float8_e5m2))
+
+    expected = dense_attention(q, roundtrip(k[1]), roundtrip(v[1]))
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    with KVPoolClient(server.url) as client, client.attach() as mapped:
+        assert mapped.blocks.dtype == torch.float8_e5m2 and mapped.scales is not None
+        values, scales = quantize_fp8(k, 8, torch.float32, torch.float8_e5m2)  # [L, 5, H, D], [L, 5, H, D // 8]
+        held = torch.cat([mapped.blocks[0, 0], mapped.blocks[1, 0, :, :1]], dim=1)
+        held_scales = torch.cat([mapped.scales[0, 0], mapped.scales[1, 0, :, :1]], dim=1)
+        assert torch.equal(held.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(held_scales, scales)
+
+
+def test_fp8_e5m2_pool_refuses_the_triton_backend() -> None:
+    cmd = [sys.executable, "-m", "service", "serve", "--port", str(free_port())]
+    env = {**SMALL_POOL, **FP8, "KVPOOL_DTYPE": "float8_e5m2", "KVPOOL_ATTENTION_BACKEND": "triton"}
+    done = subprocess.run(
+        cmd, env={**os.environ, "PYTHONPATH": str(REPO), **env}, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "the Triton FP8 kernels store and read e4m3" in done.stderr

@@ -49,11 +49,18 @@ class Engine:
     """One vLLM engine process; generate() sends prompts and returns its outputs and connector counters."""
 
     def __init__(
-        self, model: str, kvpool_url: str | None, log: Path, wait: bool = True, tensor_parallel: int = 1
+        self,
+        model: str,
+        kvpool_url: str | None,
+        log: Path,
+        wait: bool = True,
+        tensor_parallel: int = 1,
+        **options: Any,
     ) -> None:
+        """options: more of vllm_engine's config (dtype, kv_cache_dtype, kv_role, ...)."""
         self.log_path = log
         self.log = log.open("w")
-        config = {"model": model, "kvpool_url": kvpool_url, "block_size": BLOCK, "max_tokens": 8}
+        config = {"model": model, "kvpool_url": kvpool_url, "block_size": BLOCK, "max_tokens": 8, **options}
         env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
         if tensor_parallel > 1:
             config["tensor_parallel_size"] = tensor_parallel
@@ -226,9 +233,10 @@ def test_tokens_equal_vllm_alone_and_a_second_engine_loads_from_kvpool(
         first.close()
     for name, out in runs:
         assert out["token_ids"] == reference[name], name
-    # miss: nothing cached; again: 96 (6 pages, cut to 3 blocks); partial: 80 cached -> 64; short: none.
-    assert [out["num_cached_tokens"] for _, out in runs] == [0, 96, 64, 0, 96]
-    assert stats["saved_tokens"] > 0 and stats["loaded_tokens"] == 96 + 64 + 96
+    # miss: nothing cached; again: 96 (6 pages; vLLM loads 3 blocks of 32); partial: 80 (5 pages, the load ends
+    # inside a block); short: none; exact: the 6 pages of "miss".
+    assert [out["num_cached_tokens"] for _, out in runs] == [0, 96, 80, 0, 96]
+    assert stats["saved_tokens"] > 0 and stats["loaded_tokens"] == 96 + 80 + 96
     assert not any(k.startswith("faults") for k in stats), stats
 
     second = Engine(model_dir, pool16.url, tmp_path / "second.log")  # a fresh process: the hits are kvpool's
@@ -238,8 +246,8 @@ def test_tokens_equal_vllm_alone_and_a_second_engine_loads_from_kvpool(
         second.close()
     for name, out in again:
         assert out["token_ids"] == reference[name], name
-    # partial: the first engine saved all 7 of its full pages, so now 112 cached -> 96.
-    assert [out["num_cached_tokens"] for _, out in again] == [96, 96, 96, 0]
+    # exact: all 8 of its pages were saved: every token but the last (a full hit); partial: its 7 full pages.
+    assert [out["num_cached_tokens"] for _, out in again] == [127, 112, 96, 0]
 
     pool = pool16.pool()  # (g) every pin and every save sequence was released
     assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
@@ -260,7 +268,7 @@ def test_two_engines_at_once_share_prefixes_and_cache_salts_stay_apart(
         runs = [x.generate((prompt, "a")), y.generate((prompt, "a")), y.generate((prompt, "b"))]
         runs += [x.generate((prompt, "b")), x.generate(prompt)]
         assert [r[0]["token_ids"] for r in runs] == [reference["salted"]] * 5
-        assert [r[0]["num_cached_tokens"] for r in runs] == [0, 64, 0, 64, 0]
+        assert [r[0]["num_cached_tokens"] for r in runs] == [0, 79, 0, 79, 0]  # 5 pages: all but the last token
         for engine in engines:  # both at once, on prompts the other engines saved
             engine.send(PROMPTS["partial"], PROMPTS["exact"], PROMPTS["other"])
         both = [engine.receive() for engine in engines]
@@ -280,7 +288,7 @@ def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[i
         engine = Engine(model_dir, servers[0].url, tmp_path / "restart.log")
         try:
             first = [engine.generate(PROMPTS["exact"])[0] for _ in range(2)]
-            assert [o["num_cached_tokens"] for o in first] == [0, 96]
+            assert [o["num_cached_tokens"] for o in first] == [0, 127]  # a full hit: all but the last token
             servers[0].stop(signal.SIGKILL)
             down = engine.generate(PROMPTS["miss"], PROMPTS["exact"], timeout=60)  # no hang, vLLM computes
             assert [o["token_ids"] for o in down] == [reference["miss"], reference["exact"]]
@@ -290,7 +298,7 @@ def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[i
             time.sleep(1.0)  # the connector's retry interval in these tests is 0.5 s
             back = [engine.generate(PROMPTS["exact"])[0] for _ in range(2)]
             assert [o["token_ids"] for o in back] == [reference["exact"]] * 2
-            assert [o["num_cached_tokens"] for o in back] == [0, 96]  # saved into the new pool, then loaded
+            assert [o["num_cached_tokens"] for o in back] == [0, 127]  # saved into the new pool, then loaded
             orphans_before = engine.stats.get("orphans_freed", 0)  # (a refused or unsent create is no orphan)
             servers[-1].proc.send_signal(signal.SIGSTOP)  # kvpool hangs: calls time out (2 s here)
             try:
@@ -301,7 +309,7 @@ def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[i
             time.sleep(1.0)
             # Back: the creates that timed out (and ran later) are freed, and the prefix loads again.
             again = engine.generate(PROMPTS["exact"])[0]
-            assert (again["token_ids"], again["num_cached_tokens"]) == (reference["exact"], 96)
+            assert (again["token_ids"], again["num_cached_tokens"]) == (reference["exact"], 127)
             assert engine.stats["orphans_freed"] > orphans_before
         finally:
             engine.close()
@@ -349,7 +357,7 @@ def test_on_a_gpu_with_a_cuda_pool(model_dir: str, reference: dict[str, list[int
     finally:
         server.stop()
     assert [out["token_ids"] for out in runs] == [reference[name] for name in names]
-    assert [out["num_cached_tokens"] for out in runs] == [0, 96, 64, 96]
-    assert stats["loaded_tokens"] == 96 + 64 + 96 and stats["saved_tokens"] > 0
+    assert [out["num_cached_tokens"] for out in runs] == [0, 96, 80, 96]
+    assert stats["loaded_tokens"] == 96 + 80 + 96 and stats["saved_tokens"] > 0
     assert not any(k.startswith("faults") or k == "internal_errors" for k in stats), stats
     assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)

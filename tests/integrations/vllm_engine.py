@@ -3,6 +3,9 @@
     python -m tests.integrations.vllm_engine '{"model": DIR, "block_size": 32, "kvpool_url": URL or null,
         "tensor_parallel_size": 1, "pipeline_parallel_size": 1}'
 
+Optional keys: "dtype" (float32), "kv_cache_dtype" (auto), "kv_role" (kv_both), "max_tokens" (8),
+"max_model_len" (1024), "prefix_caching" (false: hits can then only come from kvpool).
+
 Reads one JSON request per line, [{"token_ids": [...], "cache_salt": "..."}, ...], generates them
 (greedy, max_tokens new tokens), lets the connector's saves land (vLLM's steps bring the ranks' reports of
 them, and the scheduler commits them), and answers one line: {"outputs": [{"token_ids",
@@ -35,7 +38,7 @@ def main() -> None:
         transfer = KVTransferConfig(
             kv_connector="KVPoolConnector",
             kv_connector_module_path="service.integrations.vllm",
-            kv_role="kv_both",
+            kv_role=config.get("kv_role", "kv_both"),
             kv_connector_extra_config=extra,
         )
     parallel = {
@@ -47,11 +50,12 @@ def main() -> None:
     llm = LLM(
         model=config["model"],
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=config.get("dtype", "float32"),
+        kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
         enforce_eager=True,
         block_size=config.get("block_size", 32),
-        max_model_len=1024,
-        enable_prefix_caching=False,  # hits can then only come from kvpool
+        max_model_len=config.get("max_model_len", 1024),
+        enable_prefix_caching=config.get("prefix_caching", False),
         kv_cache_memory_bytes=64 << 20,
         kv_transfer_config=transfer,
         **parallel,

@@ -9,6 +9,7 @@ from service.config import Settings
 from service.server.errors import error_response
 from service.server.routes.table import RouteTable
 from service.server.state import StateDep, json_response
+from service.wire.dtypes import FP8_DTYPES
 from service.wire.errors import status_of
 from service.wire.models import PoolOut, error_responses
 
@@ -45,7 +46,7 @@ async def pool_info(pool: StateDep) -> Response:
 
 def format_fields(s: Settings) -> dict[str, Any]:
     """FP8 and MLA settings; the ones that do not apply to this pool are null."""
-    fp8 = s.dtype == "float8_e4m3fn"
+    fp8 = s.dtype in FP8_DTYPES
     return {
         "scale_dtype": s.scale_dtype if fp8 else None,
         "quant_granularity": s.quant_granularity if fp8 else None,
