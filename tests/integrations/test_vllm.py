@@ -310,7 +310,7 @@ def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[i
             # Back: the creates that timed out (and ran later) are freed, and the prefix loads again.
             again = engine.generate(PROMPTS["exact"])[0]
             assert (again["token_ids"], again["num_cached_tokens"]) == (reference["exact"], 127)
-            assert engine.stats["orphans_freed"] > orphans_before
+            assert engine.stats.get("orphans_freed", 0) > orphans_before, engine.stats
         finally:
             engine.close()
         pool = servers[-1].pool()

@@ -174,3 +174,23 @@ def test_a_writer_that_is_no_permutation_is_refused(broken: str) -> None:
     cache = torch.zeros(2, HEADS, BLOCK, 2 * HEAD_DIM)
     with pytest.raises(UnknownLayout):
         learn_block_map(bad, cache, 2, HEADS, HEAD_DIM, torch.float32)
+
+
+def test_amx_blocks_are_no_view_layout_and_are_learned() -> None:
+    """bf16 on an AMX CPU: vLLM's blocks are tiles; the views' probe refuses them, the learned map reads them."""
+    from types import SimpleNamespace
+
+    from service.integrations.vllm_layout import check_layout
+
+    if not has_amx():
+        pytest.skip("needs a CPU with AMX")
+    write = attention_writer("amx", "auto")
+    impl = SimpleNamespace(
+        do_kv_cache_update=lambda layer, k, v, cache, slots: write(torch.stack([k, v]), cache, slots)
+    )
+    cache = empty_cache(2, HEADS, HEAD_DIM, BLOCK, torch.bfloat16, 2)
+    with pytest.raises(ValueError, match="does not know the KV block layout"):
+        check_layout(SimpleNamespace(impl=impl), cache)
+    bmap = learn_block_map(write, cache, 2, HEADS, HEAD_DIM, torch.bfloat16)
+    vec = learn_block_map(attention_writer("vec", "auto"), cache, 2, HEADS, HEAD_DIM, torch.bfloat16)
+    assert not torch.equal(bmap.where, vec.where)

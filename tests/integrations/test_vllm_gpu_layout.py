@@ -67,14 +67,16 @@ LAYOUTS = [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLHNC]
 def cpu_layer(dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> Any:
     """A layer with vLLM's real CPU attention implementation (its do_kv_cache_update, its kernel)."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from tests.integrations.test_vllm_layout import vec_isa
 
     config = VllmConfig()
     # The constructor reads the model's dtype from the current config; no model is loaded here.
     object.__setattr__(config, "model_config", SimpleNamespace(dtype=dtype))
     with set_current_vllm_config(config):
         impl = CPUAttentionBackendImpl(heads, head_dim, 1.0, heads, None, None, "auto")
-    isa = _get_attn_isa(dtype, block_size, head_dim)
+    isa = vec_isa(dtype, block_size, head_dim)
     return SimpleNamespace(impl=impl, isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
 
 
