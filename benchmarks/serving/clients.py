@@ -11,6 +11,7 @@
 import json
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,58 @@ def run(cmd: list[str], log: Path, timeout_s: float, cwd: Path = REPO) -> None:
         raise RuntimeError(f"{cmd[2] if len(cmd) > 2 else cmd[0]} failed ({done.returncode}): see {log}")
 
 
+class BenchRunner:
+    """One `python -m benchmarks.serving.vllm_bench --runs-from-stdin` process for the whole benchmark
+    (vLLM imported once); each run's output goes to its own log."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.proc: subprocess.Popen[str] | None = None
+
+    def run(self, argv: list[str], log: Path, timeout_s: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            with open(self.log, "ab") as out:
+                cmd = [sys.executable, "-u", "-m", "benchmarks.serving.vllm_bench", "--runs-from-stdin"]
+                self.proc = subprocess.Popen(
+                    cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, text=True
+                )
+        assert self.proc.stdin is not None
+        done = log.with_suffix(".done")
+        done.unlink(missing_ok=True)
+        start = self.log.stat().st_size
+        self.proc.stdin.write(json.dumps({"argv": argv, "done": str(done)}) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        while not done.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"vllm bench serve died or timed out: see {self.log}")
+            time.sleep(0.2)
+        with open(self.log, "rb") as f:
+            f.seek(start)
+            log.write_bytes(f.read())
+        if done.read_text() != "0":
+            raise RuntimeError(f"vllm bench serve failed: see {log}")
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def bench_serve(
-    base_url: str, tokenizer: Path, out: Path, work: Workload, rate: float, seed: int, unloaded: bool = False
-) -> dict[str, Any]:
+    runner: BenchRunner, base_url: str, tokenizer: Path, out: Path, work: Workload, rate: float, seed: int,
+    unloaded: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """One `vllm bench serve` run; its per-request results. `unloaded`: one request at a time, fresh
     random prompts as long as the workload's (no shared prefix): the TTFT of a miss on an idle fleet."""
-    cmd = [sys.executable, "-m", "benchmarks.serving.vllm_bench", "--backend", "openai", "--base-url", base_url]
+    cmd = ["--backend", "openai", "--base-url", base_url]
     cmd += ["--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", str(tokenizer)]
     cmd += [
         "--seed",
@@ -73,7 +120,7 @@ def bench_serve(
         cmd += ["--prefix-repetition-num-prefixes", str(work.num_prefixes)]
         cmd += ["--prefix-repetition-output-len", str(work.output_len)]
         cmd += ["--num-prompts", str(work.num_prompts), "--request-rate", str(rate), "--burstiness", "1"]
-    run(cmd, out.with_suffix(".log"), timeout_s=900)
+    runner.run(cmd, out.with_suffix(".log"), timeout_s=900)
     result = json.loads(out.read_text())
     ok = [not e for e in result["errors"]]
     return {
@@ -85,6 +132,7 @@ def bench_serve(
         "ttft_s": [t for t, good in zip(result["ttfts"], ok) if good],
         "itl_s": [gap for gaps, good in zip(result["itls"], ok) if good for gap in gaps],
         "output_tokens": result["total_output_tokens"],
+        "prompt_tokens": result["total_input_tokens"],
     }
 
 
@@ -102,9 +150,8 @@ def multi_round_qa(base_url: str, out: Path, work: Workload) -> dict[str, Any]:
         rows = list(csv.DictReader(f))
     launched = [float(r["launch_time"]) for r in rows]
     finished = [float(r["finish_time"]) for r in rows]
-    itl = [
-        float(r["generation_time"]) / (int(r["generation_tokens"]) - 1) for r in rows if int(r["generation_tokens"]) > 1
-    ]
+    generated = [int(float(r["generation_tokens"])) for r in rows]  # (pandas writes them as floats)
+    itl = [float(r["generation_time"]) / (n - 1) for r, n in zip(rows, generated) if n > 1]
     return {
         "client": "LMCache multi-round QA",
         "requests": len(rows),
@@ -113,5 +160,6 @@ def multi_round_qa(base_url: str, out: Path, work: Workload) -> dict[str, Any]:
         "duration_s": (max(finished) - min(launched)) if rows else 0.0,
         "ttft_s": [float(r["ttft"]) for r in rows],
         "itl_s": itl,  # per request: its mean gap (the CSV has no per-token times)
-        "output_tokens": sum(int(r["generation_tokens"]) for r in rows),
+        "output_tokens": sum(generated),
+        "prompt_tokens": None,  # its warm-up requests are not in the CSV
     }

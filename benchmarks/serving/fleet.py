@@ -94,13 +94,17 @@ def kvpool_service(
     return Service(name, cmd, run_dir / f"{name}.log", env, f"http://127.0.0.1:{port}/healthz")
 
 
-def vllm_service(run_dir: Path, name: str, model: Path, kv_cache_bytes: int, max_len: int, kvpool_url: str) -> Service:
+def vllm_service(
+    run_dir: Path, name: str, model: Path, kv_cache_bytes: int, max_len: int, kvpool_url: str, core: int
+) -> Service:
+    """A vLLM OpenAI server whose compute threads are bound to one core (`core`): two replicas on two cores
+    are two devices, rather than two sets of spinning OpenMP threads taking turns on both."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     cmd += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
     cmd += ["--block-size", str(BLOCK_SIZE), "--max-model-len", str(max_len), "--dtype", "float32"]
     cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager", "--enable-prefix-caching"]
-    cmd += ["--distributed-executor-backend", "uni", "--uvicorn-log-level", "warning"]
+    cmd += ["--uvicorn-log-level", "warning"]
     if kvpool_url:
         transfer = {
             "kv_connector": "KVPoolConnector", "kv_connector_module_path": "service.integrations.vllm",
@@ -108,7 +112,7 @@ def vllm_service(run_dir: Path, name: str, model: Path, kv_cache_bytes: int, max
         }  # fmt: skip
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
     # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache between runs.
-    env = {"VLLM_SERVER_DEV_MODE": "1", **FIXED_MALLOC}
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), **FIXED_MALLOC}
     return Service(name, cmd, run_dir / f"{name}.log", env, f"http://127.0.0.1:{port}/health")
 
 

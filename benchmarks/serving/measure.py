@@ -11,7 +11,6 @@ time, server side).
 
 import random
 import time
-from collections import Counter
 from typing import Any
 
 import httpx
@@ -19,34 +18,42 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serving.fleet import MODEL_NAME
 
-LABELS = ("source", "finished_reason")  # the labels kept apart; the others (engine, model, route...) are summed
+LABELS = (
+    "source",
+    "finished_reason",
+    "counter",
+)  # the labels kept apart; the others (engine, model, route...) are summed
 
 
-def scrape(url: str) -> Counter[str]:
+def scrape(url: str) -> dict[str, float]:
     """A server's Prometheus samples, flat: name{label=value} for LABELS, summed over the other labels."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    flat: Counter[str] = Counter()
+    flat: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name.endswith("_created") or sample.name.endswith("_bucket"):
                 continue
             kept = ",".join(f"{k}={sample.labels[k]}" for k in LABELS if k in sample.labels)
-            flat[f"{sample.name}{{{kept}}}" if kept else sample.name] += sample.value
+            key = f"{sample.name}{{{kept}}}" if kept else sample.name
+            flat[key] = flat.get(key, 0.0) + sample.value
     return flat
 
 
-def delta(after: Counter[str], before: Counter[str]) -> dict[str, float]:
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-def snapshot(engines: list[str], kvpools: list[str]) -> dict[str, Counter[str]]:
-    total: Counter[str] = Counter()
-    for url in engines:
-        total.update(scrape(url))
-    pools: Counter[str] = Counter()
-    for url in kvpools:
-        pools.update(scrape(url))
-    return {"vllm": total, "kvpool": pools}
+def snapshot(engines: list[str], kvpools: list[str]) -> dict[str, dict[str, float]]:
+    """vLLM's samples summed over the engines, kvpool's over the pools."""
+    return {"vllm": _summed(engines), "kvpool": _summed(kvpools)}
+
+
+def _summed(urls: list[str]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for url in urls:
+        for key, value in scrape(url).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 def reset(engines: list[str], kvpools: list[str], redis_url: str = "") -> None:
@@ -100,6 +107,12 @@ def summarize(counters: dict[str, dict[str, float]]) -> dict[str, Any]:
         "kvpool_http_requests": http_n,
         "kvpool_http_s": http_s,
         "kvpool_evictions": k.get("kvpool_evictions_total", 0.0),
+        # The connector's own counters (service/integrations/vllm_stats: vllm:kvpool_connector_total).
+        "connector": {
+            key.split("=", 1)[1].rstrip("}"): value
+            for key, value in v.items()
+            if key.startswith("vllm:kvpool_connector_total{")
+        },
     }
 
 

@@ -20,7 +20,7 @@ CLIENT_WORDS = (
     "Hi hi here s some system prompt For user are other context Here question can you tell me a new long story "
     "with happy ending WARMUP I m Here text"
 ).split()
-PUNCTUATION = list(",.:'?#!;-()") + [".", "?."]
+PUNCTUATION = [*",.:'?#!;-()", "?."]
 # A chat turn is its role's token, a space, the text; the prompt ends with the assistant's token.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
@@ -75,7 +75,8 @@ def make_model(path: Path, shape: ModelShape) -> Path:
         num_hidden_layers=shape.layers, num_attention_heads=shape.hidden // 64, num_key_value_heads=shape.kv_heads,
         head_dim=64, max_position_embeddings=shape.max_len, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    model = LlamaForCausalLM(config).float()  # float32: the pool's dtype follows the saved config
+    model.save_pretrained(path)
     make_tokenizer(path)
     marker.write_text(json.dumps(shape.__dict__))
     return path

@@ -68,7 +68,8 @@ def start_engines(
     fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes, names_pools: list[tuple[str, str]]
 ) -> list[str]:
     engines = [
-        vllm_service(run_dir, name, model, sizes.kv_cache_bytes, sizes.max_len, pool) for name, pool in names_pools
+        vllm_service(run_dir, name, model, sizes.kv_cache_bytes, sizes.max_len, pool, core)
+        for core, (name, pool) in enumerate(names_pools)
     ]
     fleet.start(engines, timeout_s=600)
     return [url_of(e) for e in engines]

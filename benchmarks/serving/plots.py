@@ -7,7 +7,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+import matplotlib.pyplot as plt
 
 
 def ttft_plot(runs: list[dict[str, Any]], path: Path) -> None:

@@ -48,7 +48,7 @@ class Router:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=512)
         )
-        self.log = open(args.log, "a", buffering=1)  # noqa: SIM115  (one line per request, for the process's life)
+        self.log = open(args.log, "a", buffering=1)
         self.routed = [0] * len(self.backends)
         self.route_ns = 0  # time spent choosing (tokenize + match/query), over all requests
 

@@ -51,6 +51,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_metadata import model_geometry
 from service.integrations.vllm_scheduler import KVPoolConnectorScheduler
+from service.integrations.vllm_stats import GrowthSince, KVPoolConnectorStats, KVPoolPromMetrics
 from service.integrations.vllm_thread import WorkerThread
 from service.integrations.vllm_worker import KVPoolConnectorWorker
 
@@ -92,6 +93,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._thread = WorkerThread(int(extra.get("max_queued_saves", 64)))
         self._waits: Counter[str] = Counter()  # counted on vLLM's thread (link.stats: on the connector's)
         atexit.register(self._thread.close)  # an exit without shutdown() still runs what is queued
+        self._growth = GrowthSince()  # the counters' growth, for vLLM's metrics (vllm_stats)
         # One object per role, each only in its role.
         self._scheduler = (
             KVPoolConnectorScheduler(self._link, self._thread, self._waits, self._block_size)
@@ -108,6 +110,24 @@ class KVPoolConnector(KVConnectorBase_V1):
     def stats(self) -> dict[str, int]:
         """Counters: faults_<kind>, incidents, loaded_tokens, saved_tokens, load_failures, ..."""
         return {**self._link.stats, **self._waits}
+
+    # ==== both sides: the counters in vLLM's metrics (vllm_stats) =================================
+    def get_kv_connector_stats(self) -> KVPoolConnectorStats | None:
+        return self._growth(self.stats)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolConnectorStats:
+        return KVPoolConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPoolPromMetrics:
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def wait_for_saves(self) -> None:
         """Wait until every save queued so far is done (saves run on the connector's thread)."""
