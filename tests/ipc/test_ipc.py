@@ -210,12 +210,12 @@ def test_segment_is_reclaimed_even_after_sigkill(start_server: Any) -> None:
     assert not segment.exists()
 
 
-def test_the_readme_frontend_example_runs(cpu_server: Server) -> None:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Using kvpool from a frontend process", 1)[1]
+def test_the_documented_frontend_example_runs(cpu_server: Server) -> None:
+    page = (REPO / "docs" / "frontends.md").read_text()
+    section = page.split("# Using kvpool from a frontend process", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "client.attach()" in code and "pool.write(" in code
-    exec(compile(code.replace("http://127.0.0.1:8000", cpu_server.url), "README.md", "exec"), {})
+    exec(compile(code.replace("http://127.0.0.1:8000", cpu_server.url), "docs/frontends.md", "exec"), {})
     with KVPoolClient(cpu_server.url) as client, pytest.raises(SequenceNotFound):
         client.get_sequence("req-1")  # the example freed what it allocated
 

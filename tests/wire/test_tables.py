@@ -1,4 +1,4 @@
-"""The wire's tables of facts: error codes (and the README's copy of them for readers), dtypes."""
+"""The wire's tables of facts: error codes (and their copy for readers in docs/http-api.md), dtypes."""
 
 import base64
 import re
@@ -15,16 +15,16 @@ from service.wire.dtypes import DTYPES, PoolDtype, ScaleDtype, StoredDtype, Tens
 from service.wire.errors import ERROR_CODES, error_from_envelope, status_of
 from service.wire.tensors import decode, encode
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+API_PAGE = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"
 
 
-def readme_error_table() -> list[tuple[str, int]]:
-    rows = re.findall(r"^\| `([a-z_]+)` \| (\d{3}) \|", README.read_text(), flags=re.MULTILINE)
+def documented_error_table() -> list[tuple[str, int]]:
+    rows = re.findall(r"^\| `([a-z_]+)` \| (\d{3}) \|", API_PAGE.read_text(), flags=re.MULTILINE)
     return [(code, int(status)) for code, status in rows]
 
 
-def test_the_readme_documents_exactly_the_wire_table_of_error_codes() -> None:
-    assert readme_error_table() == [(code, row.status) for code, row in ERROR_CODES.items()]
+def test_the_api_page_documents_exactly_the_wire_table_of_error_codes() -> None:
+    assert documented_error_table() == [(code, row.status) for code, row in ERROR_CODES.items()]
 
 
 def test_every_core_error_class_has_its_row() -> None:
