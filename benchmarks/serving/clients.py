@@ -28,7 +28,7 @@ class Workload:
     suffix_len: int  # bench: tokens after it, per request
     num_prefixes: int
     output_len: int
-    num_prompts: int  # bench: requests per run
+    bench_s: float  # bench: seconds of arrivals per run (the requests: that many seconds at the rate)
     users: int  # QA: users in the system at once
     rounds: int
     system_prompt: int  # QA: "hi" words of the shared system prompt
@@ -36,6 +36,10 @@ class Workload:
     answer_len: int
     qa_qps: float
     qa_time_s: int  # QA: how long it launches requests (it then waits for those in flight)
+
+    def num_prompts(self, rate: float) -> int:
+        """The bench's requests at `rate`: a whole number per prefix (prefix_repetition's rule), at least 2."""
+        return self.num_prefixes * max(2, round(rate * self.bench_s / self.num_prefixes))
 
 
 def run(cmd: list[str], log: Path, timeout_s: float, cwd: Path = REPO) -> None:
@@ -119,7 +123,7 @@ def bench_serve(
         cmd += ["--prefix-repetition-suffix-len", str(work.suffix_len)]
         cmd += ["--prefix-repetition-num-prefixes", str(work.num_prefixes)]
         cmd += ["--prefix-repetition-output-len", str(work.output_len)]
-        cmd += ["--num-prompts", str(work.num_prompts), "--request-rate", str(rate), "--burstiness", "1"]
+        cmd += ["--num-prompts", str(work.num_prompts(rate)), "--request-rate", str(rate), "--burstiness", "1"]
     runner.run(cmd, out.with_suffix(".log"), timeout_s=900)
     result = json.loads(out.read_text())
     ok = [not e for e in result["errors"]]

@@ -39,6 +39,8 @@ from benchmarks.serving.phases import Sizes, Target
 from benchmarks.serving.targets import check_targets
 
 NETNS_ENV = "KVPOOL_SERVING_NETNS"
+# Requests replayed per configuration, one at a time, greedy, then on vLLM alone: half from its bench runs
+# (split evenly over the rates), half from its multi-round QA run.
 REPLAYS = 20
 SEED = 0
 
@@ -48,21 +50,23 @@ def profile(quick: bool) -> tuple[ModelShape, Sizes, Workload, list[float]]:
     if quick:
         shape = ModelShape(layers=2, hidden=128, kv_heads=2, max_len=1024)
         work = Workload(
-            prefix_len=128, suffix_len=32, num_prefixes=2, output_len=4, num_prompts=6, users=2, rounds=2,
+            prefix_len=128, suffix_len=32, num_prefixes=2, output_len=4, bench_s=1.5, users=2, rounds=2,
             system_prompt=64, user_history=32, answer_len=4, qa_qps=2, qa_time_s=3,
         )  # fmt: skip
         sizes = Sizes(
             kv_cache_bytes=2048 * shape.kv_bytes_per_token, max_len=1024, kvpool_pages=512, redis_bytes=64 << 20
         )
         return shape, sizes, work, [4.0]
-    shape = ModelShape(layers=8, hidden=512, kv_heads=2, max_len=4096)
+    # A prefill of the bench's 1,088 tokens takes ~0.3-0.5 s on one core here: one engine serves ~2 misses/s.
+    shape = ModelShape(layers=8, hidden=512, kv_heads=2, max_len=2048)
     work = Workload(
-        prefix_len=1024, suffix_len=64, num_prefixes=12, output_len=16, num_prompts=60, users=8, rounds=4,
-        system_prompt=512, user_history=384, answer_len=16, qa_qps=2, qa_time_s=30,
+        prefix_len=1024, suffix_len=64, num_prefixes=12, output_len=16, bench_s=20, users=8, rounds=4,
+        system_prompt=512, user_history=384, answer_len=16, qa_qps=1.5, qa_time_s=30,
     )  # fmt: skip
-    # vLLM's own cache: 5,120 tokens (~4 prompts of the bench's 1,088); kvpool: 64,000 tokens.
-    sizes = Sizes(kv_cache_bytes=5120 * shape.kv_bytes_per_token, max_len=4096, kvpool_pages=4000, redis_bytes=1 << 30)
-    return shape, sizes, work, [1.0, 2.0, 4.0]
+    # vLLM's own cache: 4,096 tokens (under 4 of the bench's 1,088-token prompts, of 12 prefixes; 4 of the QA's
+    # 8 users' ~1,000-token histories); kvpool's pool: 64,000 tokens (every prefix and history).
+    sizes = Sizes(kv_cache_bytes=4096 * shape.kv_bytes_per_token, max_len=2048, kvpool_pages=4000, redis_bytes=1 << 30)
+    return shape, sizes, work, [1.0, 2.0]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -83,7 +87,9 @@ class Session:
     runs: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_once(session: Session, target: Target, client: str, rate: float, unloaded: bool = False) -> dict[str, Any]:
+def run_once(
+    session: Session, target: Target, client: str, rate: float, replays: int, unloaded: bool = False
+) -> dict[str, Any]:
     work, run_dir = session.work, session.run_dir
     measure.wait_idle(target.kvpools)
     measure.reset(target.engines, target.kvpools, target.redis)
@@ -118,7 +124,7 @@ def run_once(session: Session, target: Target, client: str, rate: float, unloade
     }  # fmt: skip
     if server["kvpool_http_requests"] and result["completed"]:
         bookkeeping(run, server, result["completed"])
-    run["samples"] = replay_here(target, lines)
+    run["samples"] = replay_here(target, lines, replays)
     print(summary_line(run), flush=True)
     return run
 
@@ -136,10 +142,10 @@ def bookkeeping(run: dict[str, Any], server: dict[str, Any], completed: int) -> 
     run["kvpool_bookkeeping_fraction"] = worst / run["ttft_mean_ms"]
 
 
-def replay_here(target: Target, lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """REPLAYS of the run's requests, replayed one at a time (greedy) through the configuration."""
+def replay_here(target: Target, lines: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """`count` of the run's requests, replayed one at a time (greedy) through the configuration."""
     samples = []
-    for record in measure.sample_requests(lines, REPLAYS, SEED):
+    for record in measure.sample_requests(lines, count, SEED):
         ids = measure.prompt_ids(target.engines[0], record)
         max_tokens = min(16, int(record["body"].get("max_tokens") or 16))
         samples.append(
@@ -162,13 +168,13 @@ def summary_line(run: dict[str, Any]) -> str:
 def run_phase(session: Session, targets: list[Target], rates: list[float], unloaded: bool) -> None:
     runs = session.runs
     if unloaded:
-        runs.append(run_once(session, targets[0], "bench", 0.0, unloaded=True))
+        runs.append(run_once(session, targets[0], "bench", 0.0, 2, unloaded=True))
     for i, rate in enumerate(rates):
         order = targets if i % 2 == 0 else targets[::-1]  # alternating: the machine's drift falls on each alike
         for target in order:
-            runs.append(run_once(session, target, "bench", rate))
+            runs.append(run_once(session, target, "bench", rate, max(1, REPLAYS // 2 // len(rates))))
     for target in targets if len(rates) % 2 == 0 else targets[::-1]:
-        runs.append(run_once(session, target, "qa", session.work.qa_qps))
+        runs.append(run_once(session, target, "qa", session.work.qa_qps, REPLAYS // 2))
 
 
 def reference_replays(engine: str, runs: list[dict[str, Any]]) -> None:
@@ -213,7 +219,16 @@ def main(argv: list[str] | None = None) -> int:
         prog="kvpool bench serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="a tiny model and a few requests per configuration (CI)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "serving" / "results")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "docs" / "fleet",
+        help="serving.json and the plots (docs/fleet.md shows them)",
+    )
+    parser.add_argument(
+        "--logs", type=Path, default=Path(tempfile.gettempdir()) / "kvpool-serving-logs",
+        help="every process's log and every client's raw output (emptied first)",
+    )  # fmt: skip
     parser.add_argument(
         "--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvpool-serving-model",
         help="where the random model is written (once per shape)",
@@ -229,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     shape, sizes, work, rates = profile(args.quick)
     rates = args.rates or rates
     args.out.mkdir(parents=True, exist_ok=True)
-    run_dir = args.out / "logs"
+    run_dir = args.logs
     shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir()
+    run_dir.mkdir(parents=True)
     model = make_model(args.model_dir / ("quick" if args.quick else "full"), shape)
     began = time.monotonic()
     print(f"kvpool in a fleet: model {shape}, {sizes}, {work}, rates {rates}, network namespace: {namespaced}")
