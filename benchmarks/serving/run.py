@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,16 +253,31 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     print(f"kvpool in a fleet: model {shape}, {sizes}, {work}, rates {rates}, network namespace: {namespaced}")
     session = Session(clients.BenchRunner(run_dir / "vllm-bench.log"), work, run_dir, model)
+    builders: list[Callable[[Fleet], list[Target]]] = [
+        lambda fleet: phases.shared_pool(fleet, run_dir, model, sizes),
+        lambda fleet: phases.two_nodes(fleet, run_dir, model, sizes, dynamo=namespaced),
+        lambda fleet: phases.alone(fleet, run_dir, model, sizes),
+    ]
+    # --quick (no timing judged) starts each phase's processes while the phase before runs: the engines'
+    # start-up, not the runs, is most of its time. The full run starts a phase once the last one has stopped.
+    fleets = [Fleet() for _ in builders]
     try:
-        with Fleet() as fleet:
-            run_phase(session, phases.shared_pool(fleet, run_dir, model, sizes), rates, False)
-            fleet.stop()
-            run_phase(session, phases.two_nodes(fleet, run_dir, model, sizes, dynamo=namespaced), rates, False)
-            fleet.stop()
-            targets = phases.alone(fleet, run_dir, model, sizes)
-            run_phase(session, targets, rates, True)
+        with ThreadPoolExecutor(1) as starter:
+            ahead = starter.submit(builders[0], fleets[0])
+            for i, fleet in enumerate(fleets):
+                targets = ahead.result()
+                last = i + 1 == len(fleets)
+                if args.quick and not last:
+                    ahead = starter.submit(builders[i + 1], fleets[i + 1])
+                run_phase(session, targets, rates, unloaded=last)
+                if not last:
+                    fleet.stop()
+                    if not args.quick:
+                        ahead = starter.submit(builders[i + 1], fleets[i + 1])
             reference_replays(targets[0].engines[0], session.runs)
     finally:
+        for fleet in fleets:
+            fleet.stop()
         session.bench.close()
     runs = session.runs
     report = {
