@@ -28,7 +28,7 @@ class Workload:
     suffix_len: int  # bench: tokens after it, per request
     num_prefixes: int
     output_len: int
-    bench_s: float  # bench: seconds of arrivals per run (the requests: that many seconds at the rate)
+    per_prefix: int  # bench: requests per prefix (the same requests at every rate)
     users: int  # QA: users in the system at once
     rounds: int
     system_prompt: int  # QA: "hi" words of the shared system prompt
@@ -37,9 +37,9 @@ class Workload:
     qa_qps: float
     qa_time_s: int  # QA: how long it launches requests (it then waits for those in flight)
 
-    def num_prompts(self, rate: float) -> int:
-        """The bench's requests at `rate`: a whole number per prefix (prefix_repetition's rule), at least 2."""
-        return self.num_prefixes * max(2, round(rate * self.bench_s / self.num_prefixes))
+    @property
+    def num_prompts(self) -> int:
+        return self.num_prefixes * self.per_prefix
 
 
 def run(cmd: list[str], log: Path, timeout_s: float, cwd: Path = REPO) -> None:
@@ -123,7 +123,7 @@ def bench_serve(
         cmd += ["--prefix-repetition-suffix-len", str(work.suffix_len)]
         cmd += ["--prefix-repetition-num-prefixes", str(work.num_prefixes)]
         cmd += ["--prefix-repetition-output-len", str(work.output_len)]
-        cmd += ["--num-prompts", str(work.num_prompts(rate)), "--request-rate", str(rate), "--burstiness", "1"]
+        cmd += ["--num-prompts", str(work.num_prompts), "--request-rate", str(rate), "--burstiness", "1"]
     runner.run(cmd, out.with_suffix(".log"), timeout_s=900)
     result = json.loads(out.read_text())
     ok = [not e for e in result["errors"]]
