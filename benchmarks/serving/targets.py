@@ -42,6 +42,10 @@ def check_targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
         checks[name] = ok
         lines.append(f"{_verdict(ok)}  {text}")
 
+    def at_least(name: str, what: str, mine: float, base: float, factor: float) -> None:
+        ratio = mine / max(base, 1e-9)
+        judge(name, mine >= factor * base, f"{what} {mine:.2f} / {base:.2f} = {ratio:.2f}x (>= {factor:g}x)")
+
     unloaded = [r for r in runs if r["unloaded"]]
     a, b = _runs(runs, "a"), _runs(runs, "b")
     if unloaded and a and b:
@@ -57,28 +61,14 @@ def check_targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
             ratio = at["ttft_mean_ms"] / other["ttft_mean_ms"]
             judge("b_ttft", bool(loaded) and ratio >= 3, f"b vs a mean TTFT lowered {ratio:.2f}x (>= 3x)")
             fa, fb = at["server"]["cached_fraction"], other["server"]["cached_fraction"]
-            judge(
-                "b_cached",
-                fb >= 3 * fa,
-                f"b vs a cached-token fraction {fb:.2f} / {fa:.2f} = {fb / max(fa, 1e-9):.2f}x (>= 3x)",
-            )
+            at_least("b_cached", "b vs a cached-token fraction", fb, fa, 3)
     for client in sorted({r["client"] for r in runs}):
         c, d, e = _runs(runs, "c", client), _runs(runs, "d", client), _runs(runs, "e", client)
         tag = "bench" if client == BENCH else "qa"
         if c and d:
-            fc, fd = _cached(c), _cached(d)
-            judge(
-                f"d_cached_{tag}",
-                fd >= 1.8 * fc,
-                f"[{client}] d vs c cached fraction {fd:.2f} / {fc:.2f} = {fd / max(fc, 1e-9):.2f}x (>= 1.8x)",
-            )
+            at_least(f"d_cached_{tag}", f"[{client}] d vs c cached fraction", _cached(d), _cached(c), 1.8)
         if d and e:
-            hd, he = _pool_hits(d), _pool_hits(e)
-            judge(
-                f"e_hits_{tag}",
-                he >= 0.8 * hd,
-                f"[{client}] e's kvpool hit rate {he:.2f} vs d's {hd:.2f}: {he / max(hd, 1e-9):.0%} (>= 80%)",
-            )
+            at_least(f"e_hits_{tag}", f"[{client}] kvpool hit rate, e / d", _pool_hits(e), _pool_hits(d), 0.8)
         for f_name in ("f", "f-match"):
             f = _runs(runs, f_name, client)
             if f and e:
