@@ -65,9 +65,10 @@ def profile(quick: bool) -> tuple[ModelShape, Sizes, Workload, list[float]]:
         prefix_len=512, suffix_len=32, num_prefixes=8, output_len=16, per_prefix=5, users=8, rounds=4,
         system_prompt=512, user_history=384, answer_len=16, qa_qps=1.5, qa_time_s=25,
     )  # fmt: skip
-    # vLLM's own cache: 1,536 tokens (under 3 of the bench's 544-token prompts, of 8 prefixes; one of the QA's
-    # 8 users' ~1,000-token histories); kvpool's pool: 64,000 tokens (every prefix and history).
-    sizes = Sizes(kv_cache_bytes=1536 * shape.kv_bytes_per_token, max_len=1536, kvpool_pages=4000, redis_bytes=1 << 30)
+    # vLLM's own cache: 1,600 tokens (the longest prompt, 1,536, and its null block; under 3 of the bench's
+    # 544-token prompts, of 8 prefixes; one of the QA's 8 users' ~1,000-token histories); kvpool's pool:
+    # 64,000 tokens (every prefix and history).
+    sizes = Sizes(kv_cache_bytes=1600 * shape.kv_bytes_per_token, max_len=1536, kvpool_pages=4000, redis_bytes=1 << 30)
     return shape, sizes, work, [1.0, 2.5]
 
 
