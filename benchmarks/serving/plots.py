@@ -6,6 +6,8 @@ from typing import Any
 
 import matplotlib
 
+from benchmarks.serving.targets import connector_hit_rate
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
@@ -43,16 +45,11 @@ def hit_plot(runs: list[dict[str, Any]], path: Path) -> None:
             mine = [r for r in runs if r["config"] == config and r["client"] == client and not r["unloaded"]]
             prompt = sum(r["server"]["prompt_tokens"] for r in mine)
             hit = sum(r["server"]["cached_tokens_vllm"] + r["server"]["cached_tokens_kvpool"] for r in mine)
-            queries = sum(r["server"]["kvpool_query_tokens"] for r in mine)
             cached.append(hit / prompt if prompt else 0.0)
-            pool.append(
-                sum(r["server"]["kvpool_hit_rate"] * r["server"]["kvpool_query_tokens"] for r in mine) / queries
-                if queries
-                else 0.0
-            )
+            pool.append(connector_hit_rate(mine))
         x = range(len(configs))
         ax.bar([i - 0.2 for i in x], cached, 0.4, label="prompt tokens served from cache (vLLM + kvpool)")
-        ax.bar([i + 0.2 for i in x], pool, 0.4, label="kvpool's hit rate (tokens)")
+        ax.bar([i + 0.2 for i in x], pool, 0.4, label="kvpool's hit rate: of the prompt tokens vLLM lacked")
         ax.set_xticks(list(x), configs, fontsize=8)
         ax.set_ylim(0, 1)
         ax.set_title(client)
