@@ -51,11 +51,13 @@ class Service:
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
-        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before it was ready: see {self.log}")
+            proc = self.proc
+            if proc is None:  # stopped meanwhile (the benchmark is stopping)
+                raise RuntimeError(f"{self.name} was stopped before it was ready")
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({proc.returncode}) before it was ready: see {self.log}")
             if self.health is None:
                 return
             try:

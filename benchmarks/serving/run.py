@@ -262,21 +262,26 @@ def main(argv: list[str] | None = None) -> int:
     # --quick (no timing judged) starts each phase's processes while the phase before runs: the engines'
     # start-up, not the runs, is most of its time. The full run starts a phase once the last one has stopped.
     fleets = [Fleet() for _ in builders]
+    starter = ThreadPoolExecutor(1)
     try:
-        with ThreadPoolExecutor(1) as starter:
-            ahead = starter.submit(builders[0], fleets[0])
-            for i, fleet in enumerate(fleets):
-                targets = ahead.result()
-                last = i + 1 == len(fleets)
-                if args.quick and not last:
+        ahead = starter.submit(builders[0], fleets[0])
+        for i, fleet in enumerate(fleets):
+            targets = ahead.result()
+            last = i + 1 == len(fleets)
+            if args.quick and not last:
+                ahead = starter.submit(builders[i + 1], fleets[i + 1])
+            run_phase(session, targets, rates, unloaded=last)
+            if not last:
+                fleet.stop()
+                if not args.quick:
                     ahead = starter.submit(builders[i + 1], fleets[i + 1])
-                run_phase(session, targets, rates, unloaded=last)
-                if not last:
-                    fleet.stop()
-                    if not args.quick:
-                        ahead = starter.submit(builders[i + 1], fleets[i + 1])
-            reference_replays(targets[0].engines[0], session.runs)
+        reference_replays(targets[0].engines[0], session.runs)
     finally:
+        # The processes first: a phase still starting then fails at once (its processes are gone) instead
+        # of waiting for its engines; then whatever it started before it saw that.
+        for fleet in fleets:
+            fleet.stop()
+        starter.shutdown(wait=True, cancel_futures=True)
         for fleet in fleets:
             fleet.stop()
         session.bench.close()
