@@ -9,9 +9,12 @@ Policies (every configuration goes through one, one backend or two, so that each
   (`--kvpools`, in the order of `--backends`) and send the request to the node that holds the most.
 - `dynamo`: ask Dynamo's standalone KV indexer (`--indexer`; `POST /query`, the nodes registered as
   instances 0, 1, ... in the order of `--backends`) which node holds the longest prefix.
-Both prefix policies send a request that no node holds a page of (or whose best matches tie) to the node
-with the fewest requests in flight, then round robin. The prompt's token ids come from the first
-backend's `POST /tokenize` (vLLM renders the chat template and tokenizes exactly as it will serve).
+Both prefix policies weigh the match against the load, as Dynamo's KV router does: a node's cost is the
+prompt tokens it would compute (the prompt less what it holds) plus the tokens it is computing for the
+requests it has in flight (each counted the same way when it was sent), and the cheapest node gets the
+request (ties: round robin). By the match alone, a prefix every prompt shares (a system prompt) would
+draw every request to the first node that held it. The prompt's token ids come from the first backend's
+`POST /tokenize` (vLLM renders the chat template and tokenizes exactly as it will serve).
 
 Every proxied completion is logged (one JSON line: path, body, backend, status, error), which is
 how the benchmark counts failed requests and samples requests to replay.
@@ -44,6 +47,7 @@ class Router:
         self.indexer: str = args.indexer
         self.policy: str = args.policy
         self.in_flight = [0] * len(self.backends)
+        self.queued = [0] * len(self.backends)  # prompt tokens to compute, of the requests in flight
         self.turn = itertools.cycle(range(len(self.backends)))
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=512)
@@ -77,17 +81,19 @@ class Router:
         instances = answer.json().get("instances", {}) if answer.status_code == 200 else {}
         return [int(instances.get(str(i), {}).get("longest_matched", 0)) for i in range(len(self.backends))]
 
-    async def choose(self, path: str, body: dict[str, Any]) -> int:
+    async def choose(self, path: str, body: dict[str, Any]) -> tuple[int, int]:
+        """The backend for a request, and the prompt tokens it will compute there."""
         if self.policy == "rr" or len(self.backends) == 1:
-            return next(self.turn)
+            return next(self.turn), 0
         began = asyncio.get_running_loop().time()
-        scores = await self.matched(await self.token_ids(path, body))
+        token_ids = await self.token_ids(path, body)
+        scores = await self.matched(token_ids)
         self.route_ns += int((asyncio.get_running_loop().time() - began) * 1e9)
-        best = max(scores)
-        candidates = [i for i, s in enumerate(scores) if s == best]
-        fewest = min(self.in_flight[i] for i in candidates)
-        candidates = [i for i in candidates if self.in_flight[i] == fewest]
-        return candidates[0] if len(candidates) == 1 else next(i for i in self.turn if i in candidates)
+        work = [len(token_ids) - min(score, len(token_ids)) for score in scores]
+        costs = [w + q for w, q in zip(work, self.queued)]
+        cheapest = [i for i, cost in enumerate(costs) if cost == min(costs)]
+        index = cheapest[0] if len(cheapest) == 1 else next(i for i in self.turn if i in cheapest)
+        return index, work[index]
 
     async def proxy(self, request: Request) -> Response:
         path = request.path_params["path"]
@@ -98,8 +104,9 @@ class Router:
             )
             return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
         body = json.loads(raw)
-        index = await self.choose(path, body)
+        index, work = await self.choose(path, body)
         self.in_flight[index] += 1
+        self.queued[index] += work
         self.routed[index] += 1
         record: dict[str, Any] = {"path": path, "body": body, "backend": index}
         upstream = self.client.build_request("POST", f"{self.backends[index]}/{path}", content=raw, headers=JSON_BODY)
@@ -107,6 +114,7 @@ class Router:
             answer = await self.client.send(upstream, stream=True)
         except httpx.HTTPError as error:
             self.in_flight[index] -= 1
+            self.queued[index] -= work
             self.write(record | {"status": 0, "error": repr(error)})
             return JSONResponse({"error": {"code": "bad_gateway", "message": repr(error)}}, 502)
 
@@ -120,6 +128,7 @@ class Router:
             finally:
                 await answer.aclose()
                 self.in_flight[index] -= 1
+                self.queued[index] -= work
                 self.write(record | {"status": answer.status_code, "error": error})
 
         return StreamingResponse(relay(), answer.status_code, media_type=answer.headers.get("content-type"))
