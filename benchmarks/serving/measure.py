@@ -99,6 +99,8 @@ def summarize(counters: dict[str, dict[str, float]]) -> dict[str, Any]:
         "connector_hit_rate": _ratio(
             v, "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total"
         ),
+        "external_queries": v.get("vllm:external_prefix_cache_queries_total", 0.0),
+        "external_hits": v.get("vllm:external_prefix_cache_hits_total", 0.0),
         "preemptions": v.get("vllm:num_preemptions_total", 0.0),
         "engine_errors": v.get("vllm:request_success_total{finished_reason=error}", 0.0)
         + v.get("vllm:request_success_total{finished_reason=abort}", 0.0),
