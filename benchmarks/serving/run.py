@@ -52,7 +52,7 @@ def profile(quick: bool) -> tuple[ModelShape, Sizes, Workload, list[float]]:
     if quick:
         shape = ModelShape(layers=2, hidden=128, kv_heads=2, max_len=1024)
         work = Workload(
-            prefix_len=128, suffix_len=32, num_prefixes=2, output_len=4, per_prefix=3, users=2, rounds=2,
+            prefix_len=128, suffix_len=32, num_prefixes=2, output_len=4, per_prefix=5, users=2, rounds=2,
             system_prompt=64, user_history=32, answer_len=4, qa_qps=2, qa_time_s=3,
         )  # fmt: skip
         sizes = Sizes(

