@@ -60,6 +60,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_metadata import Role, model_geometry
 from service.integrations.vllm_scheduler import KVPoolConnectorScheduler
+from service.integrations.vllm_stats import GrowthSince, KVPoolConnectorStats, KVPoolPromMetrics
 from service.integrations.vllm_thread import ConnectorThread
 from service.integrations.vllm_worker import KVPoolConnectorWorker
 
@@ -105,6 +106,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         atexit.register(self._close)  # an exit without shutdown() (vLLM's engine failed) still runs what is queued
         transfer = self._kv_transfer_config
         kv_role = Role(transfer.is_kv_consumer, transfer.is_kv_producer, float(extra.get("load_wait_s", 2.0)))
+        self._growth = GrowthSince()  # the counters' growth, for vLLM's metrics (vllm_stats)
         # One object per role, each only in its role.
         self._scheduler = (
             KVPoolConnectorScheduler(
@@ -130,6 +132,26 @@ class KVPoolConnector(KVConnectorBase_V1):
         scheduler's include its workers' (as they reported them each step), summed over the ranks."""
         own = self._link.stats + self._waits
         return dict(own + self._scheduler.worker_stats if self._scheduler is not None else own)
+
+    # ==== both sides: the counters in vLLM's metrics (vllm_stats) =================================
+    def get_kv_connector_stats(self) -> KVPoolConnectorStats | None:
+        # Each side's own counters: the workers report theirs to vLLM too, so the scheduler's copy of them
+        # (worker_stats, in `stats`) stays out of vLLM's metrics.
+        return self._growth(dict(self._link.stats + self._waits))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolConnectorStats:
+        return KVPoolConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPoolPromMetrics:
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def wait_for_saves(self) -> None:
         """Wait until every job queued so far on the connector's thread is done: a worker's saves (copies), a
