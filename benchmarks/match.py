@@ -3,8 +3,8 @@ cache-aware router), in process and over HTTP, for a prompt whose pages are all 
 walk) and for one that misses at its first page.
 
 Targets for a 4,096-token prompt: <= 50 us in process, <= 1 ms p50 over loopback HTTP.
-With --spill host|disk, also for a prompt whose pages are all in the node's tier (evicted from the
-device): the route then walks the device's index, then the tier's (Tiers.num_restorable), as a peek.
+With --spill host|disk, also for a prompt whose pages are all in the spill tier (evicted from the
+device): the route then walks the device's index, then the tier's (PrefixCache.match), as a peek.
 """
 
 import argparse
@@ -57,7 +57,7 @@ def in_process(num_tokens: int, page_size: int, repeat: int) -> dict[str, float]
 
 def in_process_tier(num_tokens: int, page_size: int, repeat: int) -> float:
     """p50 microseconds of the route's work when the device holds none of the prompt and the node's
-    tier holds it all: the device's match, then the tier index's peek (Tiers.num_restorable's walk)."""
+    tier holds it all: the device's match, then the tier index's peek (PrefixCache.match's walk)."""
     table = SequenceTable(PageAllocator(16), page_size)
     hit, _ = prompts(num_tokens)
     max_pages = (num_tokens - 1) // page_size
@@ -164,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
         f"  in process: p50 {local['hit']:.1f} us all {(n - 1) // page} pages cached, {local['miss']:.1f} us "
         f"missing at the first page (target <= {TARGET_IN_PROCESS_US:.0f} us)"
     )
-    print(f"  in process, all in the node's tier (device walk, then the tier index's peek): p50 {local['tier']:.1f} us")
+    print(f"  in process, all in the spill tier (device walk, then the tier index's peek): p50 {local['tier']:.1f} us")
     http = over_http(n, page, repeat // 4, args.spill)
     print(
         f"  over HTTP (keep-alive, bench http's raw client): p50 {http['hit']:.3f} ms all cached, "

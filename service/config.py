@@ -7,6 +7,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.hf_model import pool_geometry
+from service.remote_url import SCHEMES, is_cluster_url, parse_cluster_url
 from service.tenancy import parse_api_keys, parse_tenant_names
 from service.wire.dtypes import DTYPES, FP8_DTYPES, PoolDtype, ScaleDtype
 
@@ -57,16 +58,22 @@ class Settings(BaseSettings):
     # Tiers below the device (service/tiers/): evicted pages spill to host memory or a disk file, and
     # committed pages go to a shared Redis/Valkey store; a prefix lookup continues into them.
     spill: Literal["none", "host", "disk"] = Field(
-        "none", description="the node's second tier: host (pinned memory on CUDA) or disk (a file in spill_path)"
+        "none", description="the spill tier: host (pinned memory on CUDA) or disk (a file in spill_path)"
     )
     spill_bytes: int = Field(2**30, ge=0, description="capacity of the spill tier in bytes")
     spill_path: str = Field("", description="disk spill: the directory of the spill file (a local NVMe)")
     remote_url: str = Field(
-        "", description="the shared tier: redis://host:6379/0 (Redis or Valkey), redis+cluster://h:p,h:p; empty: off"
+        "", description="the remote tier: redis://host:6379/0 (Redis or Valkey), redis+cluster://h:p,h:p; empty: off"
     )
-    remote_ttl_s: int = Field(3600, ge=1, description="TTL of each page written to the shared tier")
+    remote_ttl_s: int = Field(3600, ge=1, description="TTL of each page written to the remote tier")
     remote_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False, description="per command to the store")
-    remote_queue_pages: int = Field(4096, ge=1, description="pages queued for the shared tier; more are skipped")
+    remote_queue_pages: int = Field(4096, ge=1, description="pages queued for the remote tier; more are skipped")
+    remote_secret: SecretStr = Field(
+        SecretStr(""),
+        description="the remote tier's entries authenticated: a keyed MAC (AES-GMAC) with this secret (16 "
+        "characters at least; every node sharing the store sets the same) replaces the checksum, and only "
+        "entries made with it are loaded; empty: a checksum only (the store is trusted)",
+    )
 
     @model_validator(mode="after")
     def _check_tiers(self) -> "Settings":
@@ -76,12 +83,11 @@ class Settings(BaseSettings):
             raise ValueError("KVPOOL_SPILL=disk needs KVPOOL_SPILL_PATH, a directory for the spill file")
         if self.spill != "none" and self.spill_bytes < self.page_nbytes + 64:
             raise ValueError(f"KVPOOL_SPILL_BYTES={self.spill_bytes} holds no page of {self.page_nbytes} bytes")
-        schemes = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
-        if self.remote_url and not self.remote_url.startswith(schemes):
+        if self.remote_url and not self.remote_url.startswith(SCHEMES):
             raise ValueError("KVPOOL_REMOTE_URL must be a redis://, rediss://, unix:// or redis+cluster:// URL")
-        if self.remote_url.startswith(schemes[3:]):
-            from service.tiers.cluster import parse_cluster_url  # (imports redis-py: only when asked for)
-
+        if 0 < len(self.remote_secret.get_secret_value()) < 16:
+            raise ValueError("KVPOOL_REMOTE_SECRET must be 16 characters at least (e.g. `openssl rand -hex 32`)")
+        if is_cluster_url(self.remote_url):
             try:
                 parse_cluster_url(self.remote_url)
             except ValueError as exc:
@@ -110,6 +116,16 @@ class Settings(BaseSettings):
                 f"the pool would take {(self.num_pages + 1) * self.page_nbytes / 2**30:.0f} GiB, more than 1 TiB"
             )
         return self
+
+    @property
+    def geometry_tag(self) -> str:
+        """What must match for two pools to share pages, as a key part (e.g. L4.H2.D64.P16.float32)."""
+        tag = f"L{self.num_layers}.H{self.num_kv_heads}.D{self.head_dim}.P{self.page_size}.{self.dtype}"
+        if self.dtype in FP8_DTYPES:
+            tag += f".g{self.quant_granularity}.{self.scale_dtype}"
+        if self.mla:
+            tag += f".mla{self.kv_lora_rank}"
+        return tag
 
     @property
     def page_nbytes(self) -> int:

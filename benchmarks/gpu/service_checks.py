@@ -191,9 +191,10 @@ def tier_checks(report: Report, device: torch.device) -> None:
     """The host tier in process (pinned on a GPU): spill, poison, restore bit for bit, timed against a pinned
     host-to-device copy; the disk tier over HTTP, every prompt back from it bit for bit."""
     from service.config import Settings
+    from service.engine.engine import DeviceEngine
     from service.engine.storage import Storage
-    from service.tiers.local import HostTier
     from service.tiers.pages import PageCodec
+    from service.tiers.spill import HostTier
     from tests.conftest import SMALL_POOL, Server
     from tests.tiers.helpers import run_prompt, same_bits
 
@@ -204,10 +205,11 @@ def tier_checks(report: Report, device: torch.device) -> None:
     try:
         storage.blocks.copy_(torch.randn(storage.blocks.shape, device=device).to(storage.blocks.dtype))
         codec = PageCodec(storage)
-        tier = HostTier(codec, codec.page_nbytes * pages, pinned=device.type == "cuda")
+        engine = DeviceEngine(storage)  # (the tier's jobs are run here directly, timed)
+        tier = HostTier(codec, engine, codec.page_nbytes * pages, None)  # pinned on a GPU
         ids = torch.randperm(pages).tolist()
         slots = list(range(pages))
-        tier.spill_job(ids, slots)()
+        tier.copy_down_job(ids, slots)()
         before = storage.blocks[ids].clone()
         storage.blocks[ids] = 0
         restore = wall_ms(tier.read_job(slots, ids), device, 5 if not report.dry_run else 1)
@@ -224,6 +226,7 @@ def tier_checks(report: Report, device: torch.device) -> None:
         report.target("host tier restore / pinned H2D copy", tier_gbs / pinned if tier_gbs and pinned else None,
                       ">=", 0.7, "x")  # fmt: skip
         tier.close()
+        engine.close()
     finally:
         storage.close()
     with tempfile.TemporaryDirectory() as spill_dir:

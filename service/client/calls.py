@@ -151,8 +151,9 @@ class Calls:
         return Call("POST", f"/v1/sequences/{seq_id}/fork", SequenceInfo.model_validate_json, body)
 
     @staticmethod
-    def free(seq_id: str) -> Call[int]:
-        return Call("DELETE", f"/v1/sequences/{seq_id}", _freed_pages)
+    def free(seq_id: str, commit: bool = True) -> Call[int]:
+        query = "" if commit else "?commit=false"
+        return Call("DELETE", f"/v1/sequences/{seq_id}{query}", _freed_pages)
 
     @staticmethod
     def step(appends: Sequence[StepAppend], seq_ids: Sequence[str] | None) -> Call[StepResult]:

@@ -72,9 +72,10 @@ class KVPoolClient(_Base):
     def fork(self, seq_id: str, child_id: str | None = None) -> SequenceInfo:
         return self._run(Calls.fork(seq_id, child_id))
 
-    def free(self, seq_id: str) -> int:
-        """Free a sequence; returns how many of its pages lost their last reference."""
-        return self._run(Calls.free(seq_id))
+    def free(self, seq_id: str, commit: bool = True) -> int:
+        """Free a sequence; returns how many of its pages lost their last reference. commit=False: its pages
+        not committed yet are released uncommitted (no prefix hits them)."""
+        return self._run(Calls.free(seq_id, commit))
 
     def step(self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None) -> StepResult:
         return self._run(Calls.step(appends, seq_ids))
@@ -164,9 +165,9 @@ class AsyncKVPoolClient(_Base):
     async def fork(self, seq_id: str, child_id: str | None = None) -> SequenceInfo:
         return await self._run(Calls.fork(seq_id, child_id))
 
-    async def free(self, seq_id: str) -> int:
-        """Free a sequence; returns how many of its pages lost their last reference."""
-        return await self._run(Calls.free(seq_id))
+    async def free(self, seq_id: str, commit: bool = True) -> int:
+        """Free a sequence; returns how many of its pages lost their last reference (commit: as free())."""
+        return await self._run(Calls.free(seq_id, commit))
 
     async def step(self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None) -> StepResult:
         return await self._run(Calls.step(appends, seq_ids))

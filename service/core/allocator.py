@@ -21,7 +21,7 @@ hashing at all; prefix_index.py says what that changes). Listeners need content 
 import numpy as np
 
 from service.core import lru, page_ops, prefix_index, probe_hash
-from service.core.cache_listener import CacheListener
+from service.core.cache_listener import COMPUTED, CacheListener
 from service.core.errors import OutOfPages
 
 
@@ -179,12 +179,14 @@ class PageAllocator:
         data: bytes | memoryview,
         page_nbytes: int,
         at_root: bool = False,
+        origin: str = COMPUTED,
     ) -> bytes:
         """Register full, written pages (whose token bytes are `data`), each keyed by its parent's name.
 
         A key already present keeps its page (another sequence committed the same content first);
         a page already registered keeps its entry. Returns the name of the last page. at_root:
-        pages[0] is its sequence's first page (`parent` is a chain root), for the listeners.
+        pages[0] is its sequence's first page (`parent` is a chain root), for the listeners, as is
+        `origin` (where the pages' K/V comes from: service.core.cache_listener).
         """
         if self._keys is None:
             self.reserve_keys(page_nbytes)
@@ -198,11 +200,18 @@ class PageAllocator:
             return self._index.commit(ids, parent, data, page_nbytes)
         before = self._is_hashed[ids]
         last = self._index.commit(ids, parent, data, page_nbytes)
-        self._tell_stored(ids.astype(np.int64), before, parent, bytes(data), page_nbytes, at_root)
+        self._tell_stored(ids.astype(np.int64), before, parent, bytes(data), page_nbytes, at_root, origin)
         return last
 
     def _tell_stored(
-        self, ids: np.ndarray, before: np.ndarray, parent: bytes, data: bytes, page_nbytes: int, at_root: bool
+        self,
+        ids: np.ndarray,
+        before: np.ndarray,
+        parent: bytes,
+        data: bytes,
+        page_nbytes: int,
+        at_root: bool,
+        origin: str,
     ) -> None:
         """Tell listeners of the pages this commit registered, one call per run of consecutive ones
         (a page already registered, or whose key another page holds, ends a run)."""
@@ -219,7 +228,7 @@ class PageAllocator:
             tokens = data[i * page_nbytes : j * page_nbytes]
             hashes = self._hashes[ids[i:j]]
             for listener in self.listeners:
-                listener.stored(ids[i:j], hashes, run_parent, tokens, at_root and i == 0)
+                listener.stored(ids[i:j], hashes, run_parent, tokens, at_root and i == 0, origin)
             i = j
 
     def reset_cache(self) -> int:

@@ -9,14 +9,20 @@ from typing import Protocol
 
 import numpy as np
 
+# Where committed pages come from (CacheListener.stored's `origin`): computed by a sequence's writes,
+# or restored from a tier below the device (service/tiers/cache.py), which need not be written down again.
+COMPUTED, RESTORED = "computed", "restored"
+
 
 class CacheListener(Protocol):
-    def stored(self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, token_bytes: bytes, at_root: bool) -> None:
+    def stored(
+        self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, token_bytes: bytes, at_root: bool, origin: str
+    ) -> None:
         """`pages` (int64 [n], consecutive pages of one sequence, in order) were registered under
         `hashes` (uint8 [n, 32]); the first one's parent hash is `parent`; `token_bytes` holds their
         token ids, little-endian int64, n * page_size of them. `at_root`: the first one is its
         sequence's first page, so `parent` is the chain's root (service.core.hashing.root_hash of
-        the tenant and cache salt), not the hash of a page."""
+        the tenant and cache salt), not the hash of a page. `origin`: COMPUTED or RESTORED."""
 
     def removed(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
         """`pages` (int64 [n]) left the prefix index (evicted, or dropped by a reset) and may be

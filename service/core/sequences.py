@@ -266,11 +266,13 @@ class SequenceTable:
             self.prefixes.commit_changed(change)
         return ext
 
-    def free(self, seq_id: str, tenant: str = "") -> int:
-        """Release a sequence; returns how many of its pages became unreferenced."""
+    def free(self, seq_id: str, tenant: str = "", commit: bool = True) -> int:
+        """Release a sequence; returns how many of its pages became unreferenced.
+        commit=False: its pages not committed yet are released uncommitted (their writer could not write
+        them all: a vLLM connector whose rank failed), so that no prefix ever hits them."""
         seq = self.registry.get(seq_id, tenant)
         row, b = seq.row, self.blocks
-        if seq.tokens is not None:  # its pages are written by now
+        if commit and seq.tokens is not None:  # its pages are written by now
             self.prefixes.commit_upto(seq, b.lengths.item(row) // self.page_size)
         num = b.num_pages.item(row)
         freed = self.allocator.release(b.tables[row, :num][::-1])  # tail first

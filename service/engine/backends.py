@@ -7,7 +7,7 @@ each kind of pool, and the one place that picks the implementation.
 
 Each runs the torch references (kernels/reference*.py) or the Triton kernels; a plain CPU pool may also
 take "cpu", the references with a compiled decode for float32 batches (kernels/cpu_decode.py).
-Backends receive tensors already on the pool's device and do no locking: Engine runs them on its one
+Backends receive tensors already on the pool's device and do no locking: DeviceEngine runs them on its one
 device worker.
 
 Triton kernel modules are imported only by a backend that runs them, after `select_backend` has set

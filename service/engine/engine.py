@@ -43,7 +43,7 @@ from service.engine.storage import Storage
 T = TypeVar("T")
 
 
-class Engine:
+class DeviceEngine:
     def __init__(self, storage: Storage, backend: str = "auto") -> None:
         self.storage = storage
         self.blocks = storage.blocks

@@ -51,7 +51,9 @@ class EventListener:
     def __init__(self, put: Any) -> None:
         self.put = put
 
-    def stored(self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, token_bytes: bytes, at_root: bool) -> None:
+    def stored(
+        self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, token_bytes: bytes, at_root: bool, origin: str
+    ) -> None:  # (restored pages too: they are in the device now)
         self.put((STORED, hashes, parent, token_bytes, at_root))
 
     def removed(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
@@ -60,7 +62,7 @@ class EventListener:
     def cleared(self) -> None:
         self.put((CLEARED,))
 
-    # The node's tier (service/tiers/manager.py): hashes and keys as bytes, `medium` the tier's.
+    # The spill tier (service/tiers/spill.py): hashes and keys as bytes, `medium` the tier's.
     def tier_stored(self, medium: str, hashes: list[bytes], keys: list[bytes]) -> None:
         self.put((TIER_STORED, medium, hashes, keys))
 

@@ -14,7 +14,7 @@ ExternalBlockHash = bytes | int  # vllm.v1.core.kv_cache_utils.ExternalBlockHash
 # The media are vLLM's three, naming tiers as vLLM's engines do: "GPU" for the engine's own KV cache
 # (vLLM's CPU build publishes its cache, in host memory, as "GPU" too), "CPU" for the host-memory
 # tier below it, "STORAGE" for a file-system tier. So the pool is "GPU" on any device, and the node's
-# tier (service/tiers/local.py) "CPU" (host) or "STORAGE" (disk): consumers (Dynamo's indexer keeps
+# tier (service/tiers/spill.py, disk.py) "CPU" (host) or "STORAGE" (disk): consumers (Dynamo's indexer keeps
 # one index per medium) never take a tier's pages, or their removal, for the pool's.
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"

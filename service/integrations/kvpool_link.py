@@ -149,9 +149,10 @@ class KVPoolLink:
                 ", ".join(sorted(self._faults)),
             )
             self._faults.clear()
-        for seq_id in list(self._orphans):  # creates that may have run while their answer was lost
+        # Creates that may have run while their answer was lost, and sequences to release uncommitted.
+        for seq_id in list(self._orphans):
             try:
-                self.client.free(seq_id)
+                self.client.free(seq_id, commit=False)
                 self.stats["orphans_freed"] += 1
             except SequenceNotFound:
                 pass  # the create never ran
@@ -192,36 +193,31 @@ class KVPoolLink:
         return None
 
     def forget(self, seq_id: str) -> None:
-        """A sequence to free once kvpool answers again (one holding only cached pages: a free commits nothing)."""
+        """A sequence to free, uncommitted, once kvpool answers again."""
         self._orphans.add(seq_id)
 
     def free(self, seq_id: str) -> bool:
+        """Free a sequence, committing its pages (their K/V is written)."""
         return self.call(lambda: self.client.free(seq_id)) is not None
 
-    def holds(self, seq_id: str, pages: list[int] | None = None) -> bool:
-        """The server answering now is the mapped instance and has sequence `seq_id` (on exactly `pages` if
-        given): one call, the answer naming its instance (two, against a server too old to name it)."""
+    def discard(self, seq_id: str) -> None:
+        """Free a sequence, releasing its pages not committed yet uncommitted (now, or once kvpool answers)."""
+        try:
+            self.client.free(seq_id, commit=False)
+        except SequenceNotFound:
+            pass  # gone with a restart, or never created
+        except (httpx.HTTPError, KVPoolError) as exc:
+            self.record(exc)
+            self._orphans.add(seq_id)
+
+    def holds(self, seq_id: str) -> bool:
+        """The server answering now is the mapped instance and has sequence `seq_id`: one call, the answer
+        naming its instance."""
         info = self.call(lambda: self.client.get_sequence(seq_id, instance=True))
-        if info is None or not self.is_mapped(info.instance_id):
+        if info is None:
             return False
-        return pages is None or info.block_table == pages
-
-    def is_mapped(self, instance_id: str | None) -> bool:
-        """`instance_id` (from an answer; None from a server that does not name it) is the mapped instance."""
-        if instance_id is None:
-            return self.same_instance()
-        if instance_id != self.instance_id:
-            self.fault("restarted", f"instance {self.instance_id} -> {instance_id}")
-            return False
-        return True
-
-    def same_instance(self) -> bool:
-        """The server answering now is the one whose pool is mapped (False also when unreachable)."""
-        pool = self.call(self.client.pool)  # (not /readyz: it answers 503 while a server drains)
-        if pool is None:
-            return False
-        if pool.get("instance_id") != self.instance_id:
-            self.fault("restarted", f"instance {self.instance_id} -> {pool.get('instance_id')}")
+        if info.instance_id != self.instance_id:
+            self.fault("restarted", f"instance {self.instance_id} -> {info.instance_id}")
             return False
         return True
 

@@ -9,32 +9,37 @@ tenant must be in KVPOOL_IPC_TENANTS), `timeout_s` (per HTTP call, 5), `retry_in
 calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the step wait), `load_wait_s`
 (2; how long a consumer's lookup waits for the tokens a producer announced in kv_transfer_params).
 
-Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is the
-cached prefix, held (not evictable) until its first save, or until the request finishes or is aborted.
-The hit answered is that prefix cut to vLLM's block size. Worker side: the loads copy the pinned pages
-into vLLM's blocks before the forward, then check that the pin still lives on the server whose pool is
-mapped (one call, whose answer names the instance; else the blocks are reported as load errors and vLLM
-recomputes them). After the forward, every request whose computed tokens filled more kvpool pages is
-queued for a save, which the step does not wait for: the request's first save appends to its pin (which
-holds what kvpool had at the lookup), a later one to a sequence created from its token ids (what kvpool
-has already is matched, not copied); the rest appended (the append's answer names the server's instance:
-it must be the mapped one), its K/V copied from vLLM's blocks into the pool at the appended slots, and
-the sequence freed, which commits the pages to kvpool's prefix cache. vLLM keeps a finished request's
-blocks until its saves are done (request_finished answers True; get_finished reports them), and a step
-that reuses a preempted request's blocks first lets its saves finish (handle_preemptions). Each side's
-kvpool calls and copies run on a thread of its own (vllm_thread). K/V moves only through the mapped
-pool. KVPoolConnector, the class vLLM loads, holds what both sides share (the link to kvpool, the thread,
-the counters) and forwards each of vLLM's calls to its role's object: vllm_scheduler's or vllm_worker's.
+Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is the cached
+prefix, held (not evictable) until its first save, or until the request finishes or is aborted. The hit
+answered is that prefix cut to vLLM's block size: one call per request, whatever the number of ranks.
+Worker side, on every rank: the loads copy the rank's part of the pinned pages into vLLM's blocks before the
+forward, then check that the pin still lives on the server whose pool is mapped (one call, whose answer names
+the instance; else the blocks are reported as load errors and vLLM recomputes them). Saves: every request
+whose computed tokens filled more kvpool pages gets a save; the scheduler appends its pages (to the request's
+pin, which holds what kvpool had at the lookup, or for a later save to a sequence created from its token ids:
+what kvpool has already is matched, not copied), each rank copies its part of the K/V into them after the
+forward, without the step waiting, and reports it written or not; once every rank has, the scheduler frees
+the sequence, committing the pages to kvpool's prefix cache only if every rank wrote its part (else they are
+released uncommitted). vLLM keeps a finished request's blocks until its saves are done on every rank
+(request_finished answers True; get_finished reports them), and a step that reuses a preempted request's
+blocks first lets its saves finish (handle_preemptions). Each side's kvpool calls and copies run on a thread
+of its own (vllm_thread). K/V moves only through the mapped pool. KVPoolConnector, the class vLLM loads, holds
+what both sides share (the link to kvpool, the thread, the counters) and forwards each of vLLM's calls to its
+role's object: vllm_scheduler's or vllm_worker's.
 
-vLLM's block size and kvpool's page size are independent: vllm_copy moves runs of gcd(page, block)
-tokens, every layer in one compiled pass (torch ops where it is not built). A request's `cache_salt`
-salts kvpool's prefix hashes, so different salts never share pages. One worker (no tensor or
-pipeline parallelism). Block layouts: those of vLLM's CPU attention and of its GPU backends (flash_attn,
-triton_attn, flashinfer: vllm_layout, read through views), and any other a layer's writer stores as a
-permutation of its tokens' elements (vllm_blockmap, learned at start: vLLM's AMX blocks, FP8 caches, MLA
-latents); others are refused at start. On a GPU the K/V moves
-through torch ops (on the connector's thread, which waits for the device where the CPU path waits for its
-copies), and a CUDA pool (kvpool serving on the GPU) is mapped by CUDA IPC.
+Tensor and pipeline parallelism: kvpool's pool has the whole model's geometry (every layer and KV head) and
+each rank reads and writes its own KV heads and layers of the same pages (vllm_worker.Shard), so a prefix
+saved at one tensor parallel degree loads at any other. vLLM's block size and kvpool's page size are
+independent: vllm_copy moves runs of gcd(page, block) tokens, every layer in one compiled pass where a rank
+holds the whole pool's geometry (torch ops for a part of it, or where the compiled copy is not built). A
+request's `cache_salt` salts kvpool's prefix hashes, so different salts never share pages. Block layouts:
+those of vLLM's CPU attention and of its GPU backends (flash_attn, triton_attn, flashinfer: vllm_layout,
+read through views), and any other a layer's writer stores as a permutation of its tokens' elements
+(vllm_blockmap, learned at start: vLLM's AMX blocks, FP8 caches, MLA latents; copied for a whole pool's
+heads only, so not under tensor parallelism that splits the heads); what the connector refuses at start is
+listed in docs/vllm.md. On a GPU the K/V moves through
+torch ops (on the connector's thread, which waits for the device where the CPU path waits for its copies),
+and a CUDA pool (kvpool serving on the GPU) is mapped by CUDA IPC.
 """
 
 import atexit
@@ -48,13 +53,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_metadata import Role, model_geometry
 from service.integrations.vllm_scheduler import KVPoolConnectorScheduler
-from service.integrations.vllm_thread import WorkerThread
+from service.integrations.vllm_stats import GrowthSince, KVPoolConnectorStats, KVPoolPromMetrics
+from service.integrations.vllm_thread import ConnectorThread
 from service.integrations.vllm_worker import KVPoolConnectorWorker
 
 if TYPE_CHECKING:
@@ -62,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -91,16 +99,24 @@ class KVPoolConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # kvpool is a cache: a load that fails after the match is recomputed, never a failed request.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        # The connector's thread: every call on the link runs there (scheduler side: lookups, waited for, and
-        # releases, not waited for; worker side: loads, waited for, and saves, not waited for).
-        self._thread = WorkerThread(int(extra.get("max_queued_saves", 64)))
+        # The connector's thread: every call on the link runs there (scheduler side: lookups and appends, waited
+        # for, and releases, not waited for; worker side: loads, waited for, and saves, not waited for).
+        self._thread = ConnectorThread(int(extra.get("max_queued_saves", 64)))
         self._waits: Counter[str] = Counter()  # counted on vLLM's thread (link.stats: on the connector's)
-        atexit.register(self._thread.close)  # an exit without shutdown() still runs what is queued
+        atexit.register(self._close)  # an exit without shutdown() (vLLM's engine failed) still runs what is queued
         transfer = self._kv_transfer_config
         kv_role = Role(transfer.is_kv_consumer, transfer.is_kv_producer, float(extra.get("load_wait_s", 2.0)))
+        self._growth = GrowthSince()  # the counters' growth, for vLLM's metrics (vllm_stats)
         # One object per role, each only in its role.
         self._scheduler = (
-            KVPoolConnectorScheduler(self._link, self._thread, self._waits, self._block_size, kv_role)
+            KVPoolConnectorScheduler(
+                self._link,
+                self._thread,
+                self._waits,
+                self._block_size,
+                vllm_config.parallel_config.world_size,
+                kv_role,
+            )
             if role == KVConnectorRole.SCHEDULER
             else None
         )
@@ -112,12 +128,40 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters: faults_<kind>, incidents, loaded_tokens, saved_tokens, load_failures, ..."""
-        return {**self._link.stats, **self._waits}
+        """Counters: faults_<kind>, incidents, loaded_tokens, saved_tokens (committed), load_failures, ... The
+        scheduler's include its workers' (as they reported them each step), summed over the ranks."""
+        own = self._link.stats + self._waits
+        return dict(own + self._scheduler.worker_stats if self._scheduler is not None else own)
+
+    # ==== both sides: the counters in vLLM's metrics (vllm_stats) =================================
+    def get_kv_connector_stats(self) -> KVPoolConnectorStats | None:
+        # Each side's own counters: the workers report theirs to vLLM too, so the scheduler's copy of them
+        # (worker_stats, in `stats`) stays out of vLLM's metrics.
+        return self._growth(dict(self._link.stats + self._waits))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolConnectorStats:
+        return KVPoolConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPoolPromMetrics:
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def wait_for_saves(self) -> None:
-        """Wait until every save queued so far is done (saves run on the connector's thread)."""
+        """Wait until every job queued so far on the connector's thread is done: a worker's saves (copies), a
+        scheduler's releases (commits of the saves its ranks have all reported, pending_saves)."""
         self._thread.drain()
+
+    @property
+    def pending_saves(self) -> int:
+        """Scheduler side: saves that not every rank has reported yet (vLLM's steps bring their reports)."""
+        return self._scheduler_side().pending_saves()
 
     def _scheduler_side(self) -> KVPoolConnectorScheduler:
         assert self._scheduler is not None, "a scheduler-side call on the worker's connector"
@@ -139,6 +183,12 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._scheduler_side().update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler_side().has_pending_push_work()
 
     # ==== worker side: vllm_worker (its methods say what each call does) ==========================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -167,8 +217,16 @@ class KVPoolConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().get_block_ids_with_load_errors()
 
-    def shutdown(self) -> None:
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker_side().build_connector_worker_meta()
+
+    def _close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.discard_open_saves()  # no rank reports them any more: released uncommitted
         self._thread.close()  # what is queued runs first
+
+    def shutdown(self) -> None:
+        self._close()
         if self.stats:
             logger.info("kvpool connector (%s): %s", self.role.name.lower(), self.stats)
         self._link.close()

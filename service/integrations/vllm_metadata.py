@@ -1,11 +1,12 @@
 """What vLLM's scheduler-side connector hands its worker side each step, and the model's KV geometry."""
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from service.integrations.kvpool_link import Geometry
 from service.wire.dtypes import dtype_name
@@ -30,21 +31,19 @@ class LoadJob:
 
 @dataclass
 class SaveJob:
-    """Save tokens [0, end) (the KV of those kvpool does not hold yet) from vLLM `block_ids`.
+    """Write tokens [start, end) from vLLM `block_ids` (from the request's token 0) into kvpool `pages` (the
+    sequence's block table, from its token 0), which the scheduler appended to sequence `seq_id` on server
+    `instance_id`: each rank writes its KV heads (and its layers), then reports the save (KVPoolWorkerMeta);
+    the scheduler commits the pages once every rank has written its part."""
 
-    token_ids has `end` ids, plus the next one where known (so that kvpool may match the last page).
-    pin_id: the request's pin, handed over by the scheduler to its first save: the save appends to it
-    (from its `pin_length` tokens, the prefix kvpool held at the lookup) rather than creating a sequence
-    from every token id again, and its free commits the pages (the pin is released with it).
-    """
-
+    save_id: int
     req_id: str
-    token_ids: list[int]
+    seq_id: str
+    instance_id: str
+    pages: list[int]
+    start: int
     end: int
     block_ids: list[int]
-    cache_salt: str | None
-    pin_id: str | None = None
-    pin_length: int = 0
 
 
 @dataclass
@@ -52,6 +51,21 @@ class KVPoolMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)  # requests vLLM preempted in this step (their blocks freed)
+
+
+@dataclass
+class KVPoolWorkerMeta(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler after a step, summed over the ranks by vLLM (KVOutputAggregator):
+    per save, how many ranks wrote their part and how many could not; and the workers' counters since their
+    last report."""
+
+    written: Counter[int] = field(default_factory=Counter)
+    failed: Counter[int] = field(default_factory=Counter)
+    stats: Counter[str] = field(default_factory=Counter)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVPoolWorkerMeta":
+        assert isinstance(other, KVPoolWorkerMeta)
+        return KVPoolWorkerMeta(self.written + other.written, self.failed + other.failed, self.stats + other.stats)
 
 
 Job = TypeVar("Job", LoadJob, SaveJob)
@@ -77,11 +91,14 @@ class Pin:
 
 
 def model_geometry(vllm_config: VllmConfig) -> Geometry:
+    """The whole model's KV geometry (every layer, every KV head), whatever its ranks hold: kvpool's pages store
+    all of it, each tensor parallel rank writing and reading its own KV heads (vllm_worker.Shard)."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ValueError("kvpool's vLLM connector supports one worker (tensor and pipeline parallel size 1)")
-    cache_config = vllm_config.cache_config
-    cache_dtype = cache_config.cache_dtype
+    if parallel.pipeline_parallel_size != 1:
+        # vLLM 0.32's CPU build cannot run it (its second stage fails `assert self.intermediate_tensors is not
+        # None` in gpu_model_runner.sync_and_gather_intermediate_tensors, vLLM alone): untested, so refused.
+        raise ValueError("kvpool's vLLM connector does not support pipeline parallelism yet (tensor parallel: yes)")
+    cache_dtype = vllm_config.cache_config.cache_dtype
     name = dtype_name(model.dtype) if cache_dtype == "auto" and isinstance(model.dtype, torch.dtype) else None
     name = FP8_CACHES.get(cache_dtype, name)
     if name not in (*SUPPORTED, *FP8_CACHES.values()):
@@ -89,8 +106,8 @@ def model_geometry(vllm_config: VllmConfig) -> Geometry:
             f"kvpool's vLLM connector needs a float32/float16/bfloat16 or fp8/fp8_e4m3/fp8_e5m2 KV cache, not "
             f"{cache_dtype} (model dtype {model.dtype})"
         )
-    layers = model.get_num_layers(parallel)
+    layers = model.get_total_num_hidden_layers()
     if model.use_mla:  # one latent per token: kv_lora_rank + rope channels (vLLM's head size), one "head"
         rank = int(model.hf_text_config.kv_lora_rank)
         return Geometry(layers, 1, model.get_head_size(), name, rank)
-    return Geometry(layers, model.get_num_kv_heads(parallel), model.get_head_size(), name)
+    return Geometry(layers, model.get_total_num_kv_heads(), model.get_head_size(), name)

@@ -1,17 +1,29 @@
-"""The scheduler side of KVPoolConnector (vllm.py): pins a new request's cached prefix and plans the steps.
+"""The scheduler side of KVPoolConnector (vllm.py): pins a new request's cached prefix, plans the steps and
+commits what every rank has saved.
 
 A new request's token ids create a kvpool sequence (the *pin*): its block table is the cached prefix,
 held (not evictable) until its first save, or until the request finishes or is aborted. The hit answered
-is every token of that prefix but the prompt's last (vLLM computes at least one token): the lookup sends
-one token more than the prompt, so that kvpool, which never matches a prompt's last token, may match the
-page holding it; the loads then end inside a vLLM block (vLLM allows a partial last block). Each step's
-plan (KVPoolMetadata) names the loads of the blocks just allocated for a hit and a save for every request
-whose computed tokens filled more kvpool pages; a request given saves keeps its blocks after it finishes
-until the worker side reports them done.
+is every token of that prefix but the prompt's last (vLLM computes at least one token): one call per
+request, however many ranks load it. The lookup sends one token more than the prompt, so that kvpool, which
+never matches a prompt's last token, may match the page holding it; the loads then end inside a vLLM block
+(vLLM allows a partial last block).
+
+Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated for a hit and a save for
+every request whose computed tokens filled more kvpool pages. The scheduler appends those pages itself
+(to the request's pin, or to a sequence created from its token ids for a later save: what kvpool holds
+already is matched, not copied), so that every rank writes into the same pages: each rank its own KV
+heads (and layers), vllm_worker. Each rank reports each save written or failed (KVPoolWorkerMeta, summed
+over the ranks by vLLM's KVOutputAggregator), and once every rank has reported a save, the scheduler frees
+its sequence: committing its pages to kvpool's prefix cache when every rank wrote its part, releasing them
+uncommitted (`commit=false`) when one could not. A page thus enters the prefix cache only once all of its
+KV heads and layers are written, and its pages are never released while a rank may still be writing them.
+A rank that dies never reports: its saves stay uncommitted, and kvpool frees them when vLLM shuts the
+connector down (or holds them, if the engine dies with them). A request given saves keeps its blocks after
+it finishes until every rank reports its saves done (get_finished, summed the same way by vLLM).
 
 Roles (vLLM's kv_role): a kv_producer only saves, a kv_consumer only loads, kv_both does both. A saving
 engine's finished request carries kv_transfer_params {"kvpool_tokens": the tokens of it kvpool holds or
-a queued save is writing, "kvpool_instance"}; a proxy that hands them to the consumer's request (as vLLM's
+a save is writing, "kvpool_instance"}; a proxy that hands them to the consumer's request (as vLLM's
 disaggregated-serving proxies do) makes the consumer's lookup wait, up to `load_wait_s`, until kvpool
 holds that many of the prompt's tokens: the producer's saves land after its response, and a consumer
 that asked at once would otherwise recompute the prompt (the producer never waits for its saves).
@@ -19,42 +31,62 @@ that asked at once would otherwise recompute the prompt (the producer never wait
 
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import httpx
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
-from service.integrations.vllm_metadata import KVPoolMetadata, LoadJob, Pin, Role, SaveJob
-from service.integrations.vllm_thread import WorkerThread
+from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, LoadJob, Pin, Role, SaveJob
+from service.integrations.vllm_thread import ConnectorThread
 
 LOAD_WAIT_POLL_S = 0.005  # a consumer's lookup asks kvpool again this often while it waits
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from service.client import SequenceInfo
 
 
+@dataclass
+class OpenSave:
+    """A save whose ranks have not all reported yet: its sequence holds the appended pages, uncommitted."""
+
+    seq_id: str
+    tokens: int  # tokens appended (committed once every rank has written them)
+    written: int = 0  # ranks that wrote their part
+    failed: int = 0  # ranks that could not
+
+
 class KVPoolConnectorScheduler:
-    """The scheduler role's state: its requests, their pins and what of each kvpool holds or is saving."""
+    """The scheduler role's state: its requests, their pins, what of each kvpool holds or is saving, and the
+    saves waiting for their ranks."""
 
     def __init__(
         self,
         link: KVPoolLink,
-        thread: WorkerThread,
+        thread: ConnectorThread,
         waits: Counter[str],
         block_size: int,
+        num_ranks: int,
         role: Role,
     ) -> None:
         self._link, self._thread, self._waits, self._block_size = link, thread, waits, block_size
         self._role = role
+        self._num_ranks = num_ranks  # the workers that write and report each save (tensor x pipeline parallel)
         self._requests: dict[str, Request] = {}
         self._pins: dict[str, Pin] = {}
         self._saved: dict[str, int] = {}  # tokens of each request kvpool holds or a save is under way for
         self._loads: list[LoadJob] = []
         self._saving: set[str] = set()  # requests given a save: vLLM keeps their blocks until it is done
+        self._open: dict[int, OpenSave] = {}
+        self._next_save_id = 0
+        self.worker_stats: Counter[str] = Counter()  # the workers' counters, summed over the ranks
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
@@ -87,6 +119,7 @@ class KVPoolConnectorScheduler:
                 time.sleep(LOAD_WAIT_POLL_S)
                 link.stats["load_wait_polls"] += 1
                 info = link.create(lookup_ids, salt)
+            link.stats["lookups"] += 1  # one per request, however many ranks load it
             link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
             return info
 
@@ -121,9 +154,11 @@ class KVPoolConnectorScheduler:
     ) -> KVConnectorMetadata:
         meta = KVPoolMetadata(loads=self._loads)
         self._loads = []
+        meta.preempted = set(scheduler_output.preempted_req_ids or ())
         page_size = self._link.page_size
         if not page_size or manager is None or not self._role.saves:
             return meta
+        planned: list[tuple[str, int, list[int], Pin | None]] = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None:
@@ -135,15 +170,80 @@ class KVPoolConnectorScheduler:
             if end <= self._saved.get(req_id, 0):
                 continue
             self._saved[req_id] = end
-            self._saving.add(req_id)
             block_ids = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
-            job = SaveJob(req_id, list(tokens[: end + 1]), end, block_ids, request.cache_salt)
-            pin = self._pins.pop(req_id, None)  # handed over: this step's loads from it run before the save
-            if pin is not None:
-                job.pin_id, job.pin_length = pin.seq_id, pin.cached
-            meta.saves.append(job)
-        meta.preempted = set(scheduler_output.preempted_req_ids or ())
+            # The pin is handed over: this step's loads from it run before the save, and its pages stay held.
+            planned.append((req_id, end, block_ids, self._pins.pop(req_id, None)))
+        if planned:
+            # The ranks need the pages before the forward: the step waits for the appends (one call per
+            # request, two for a request's later saves).
+            meta.saves = self._thread.run(lambda: [job for p in planned if (job := self._append(*p)) is not None])
+            self._saving.update(job.req_id for job in meta.saves)
         return meta
+
+    def _append(self, req_id: str, end: int, block_ids: list[int], pin: Pin | None) -> SaveJob | None:
+        """Append the pages of tokens [kvpool's, end) of the request to its pin or a new sequence (on the
+        connector's thread); the save that writes them, or None (nothing to save, or kvpool failed)."""
+        link, request = self._link, self._requests[req_id]
+        if not link.usable():
+            if pin is not None:
+                link.forget(pin.seq_id)  # released once kvpool answers again
+            return None
+        if pin is not None:
+            seq_id, start = pin.seq_id, pin.cached
+        else:
+            seq = link.create(list(request.all_token_ids[: end + 1]), request.cache_salt)
+            if seq is None:
+                return None
+            seq_id, start = seq.seq_id, seq.cached_tokens
+        if start >= end:  # kvpool holds these pages already (another engine saved them)
+            link.free(seq_id)
+            return None
+        began = time.perf_counter_ns()
+        try:
+            appended = link.client.append(seq_id, token_ids=list(request.all_token_ids[start:end]), instance=True)
+        except KVPoolError as exc:  # refused whole (out of pages, quota): nothing was appended
+            link.record(exc)
+            link.free(seq_id)
+            return None
+        except httpx.HTTPError as exc:  # the append may have run: its pages are released uncommitted
+            link.record(exc)
+            link.discard(seq_id)
+            return None
+        finally:
+            link.stats["append_ns"] += time.perf_counter_ns() - began
+        assert appended.instance_id is not None
+        save_id, self._next_save_id = self._next_save_id, self._next_save_id + 1
+        self._open[save_id] = OpenSave(seq_id, end - start)
+        return SaveJob(save_id, req_id, seq_id, appended.instance_id, appended.block_table, start, end, block_ids)
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """The ranks' reports of this step (summed over them): commit each save every rank has written."""
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, KVPoolWorkerMeta):
+            return
+        self.worker_stats.update(meta.stats)
+        for save_id in set(meta.written) | set(meta.failed):
+            save = self._open.get(save_id)
+            if save is None:
+                continue
+            save.written += meta.written[save_id]
+            save.failed += meta.failed[save_id]
+            if save.written + save.failed < self._num_ranks:
+                continue
+            del self._open[save_id]
+            if save.failed:
+                self._link.stats["saves_discarded"] += 1
+            else:
+                self._link.stats["saved_tokens"] += save.tokens
+            self._release(save.seq_id, commit=not save.failed)
+
+    def pending_saves(self) -> int:
+        """Saves that not every rank has reported yet."""
+        return len(self._open)
+
+    def has_pending_push_work(self) -> bool:
+        """Saves wait for their ranks' reports: an engine that would go idle keeps stepping until they come."""
+        return bool(self._open)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -152,7 +252,7 @@ class KVPoolConnectorScheduler:
             self._release(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
         self._requests.pop(req_id, None)
         params = self._announcement(self._saved.pop(req_id, 0))
-        # A request given saves keeps its blocks until the worker's get_finished says they are copied.
+        # A request given saves keeps its blocks until every rank's get_finished says they are copied.
         if req_id in self._saving:
             self._saving.discard(req_id)
             return True, params
@@ -174,12 +274,22 @@ class KVPoolConnectorScheduler:
         page_size = self._link.page_size or 1
         return min(tokens, num_tokens) // page_size * page_size
 
-    def _release(self, seq_id: str) -> None:
-        """Free a pin on the connector's thread; vLLM's scheduler does not wait for it."""
+    def discard_open_saves(self) -> None:
+        """At shutdown: saves not reported by every rank are released uncommitted."""
+        for save in self._open.values():
+            self._release(save.seq_id, commit=False)
+        self._open.clear()
+
+    def _release(self, seq_id: str, commit: bool = True) -> None:
+        """Free a sequence on the connector's thread; vLLM's scheduler does not wait for it. commit=False:
+        its pages not committed yet are released uncommitted."""
 
         def release() -> None:
             began = time.perf_counter_ns()
-            self._link.free(seq_id)
+            if commit:
+                self._link.free(seq_id)
+            else:
+                self._link.discard(seq_id)
             self._link.stats["release_ns"] += time.perf_counter_ns() - began
 
         if self._thread.submit(release):

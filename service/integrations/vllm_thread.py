@@ -1,12 +1,13 @@
-"""A connector's own thread: every kvpool call and K/V copy of that connector runs here, in order.
+"""ConnectorThread, a connector's own thread (of either role: the scheduler's and each worker's connector have
+one each, all called "kvpool-connector"): every kvpool call and K/V copy of that connector runs here, in order.
 
 - One thread owns the connector's KVPoolLink (the worker's mapped pool is replaced on a reconnect: a
   load on one thread while another remaps would read unmapped memory), so nothing needs a lock around it.
 - `run` jobs are waited for and go ahead of queued `submit` jobs, which are not waited for. Worker
   side: loads (the forward needs them) and saves (vLLM's step goes on while they run, and vLLM keeps a
   finished request's blocks until the connector reports its saves done, in get_finished). Scheduler
-  side: lookups and the release of pins. At most `max_saves` submitted jobs wait; one more blocks the
-  caller.
+  side: lookups and the appends of saves (waited for), and the releases of pins and saves. At most
+  `max_saves` submitted jobs wait; one more blocks the caller.
 - Copies here run on one intra-op thread. vLLM's CPU worker keeps its OpenMP threads for the model;
   a parallel copy in vLLM's step stalls whenever one of those threads is descheduled, and one thread
   already reaches the memory bandwidth of a plain copy there (measured: docs/benchmarks.md, "Figures behind the code").
@@ -24,7 +25,7 @@ logger = logging.getLogger("service.integrations.vllm")
 T = TypeVar("T")
 
 
-class WorkerThread:
+class ConnectorThread:
     def __init__(self, max_saves: int) -> None:
         self.max_saves = max_saves
         self._cv = threading.Condition()

@@ -1,11 +1,17 @@
 """The worker side of KVPoolConnector (vllm.py): copies K/V between vLLM's blocks and kvpool's mapped pool.
 
+One per rank. kvpool's pages hold every layer and every KV head of the model (one pool geometry whatever
+the parallelism, so that prefixes are shared across tensor parallel degrees): a rank reads and writes its
+own part of each page, the KV heads it holds (`Shard`; a rank holding a replica of a KV head
+that another rank writes, where tensor parallel size > KV heads, reads it and writes nothing).
+
 Before the forward, the step's loads copy the pinned pages into vLLM's blocks (and check that the pin
 still lives on the mapped server; else the blocks are reported as load errors). After the forward, the
-step's saves are queued on the connector's thread and the step goes on: each appends to the request's pin
-or to a new sequence, copies the K/V into the appended pages and frees the sequence, which commits them
-(_save, _write: the checks that the pool written is the server's). get_finished reports the finished
-requests whose saves are done; handle_preemptions lets the saves of preempted requests finish first.
+step's saves are queued on the connector's thread and the step goes on: each writes this rank's part of the
+pages the scheduler appended, into the pool of the server that appended them. Every save is reported
+written or failed to the scheduler (build_connector_worker_meta), which commits the pages once every rank
+has written them. get_finished reports the finished requests whose saves are done; handle_preemptions lets
+the saves of preempted requests finish first.
 """
 
 import logging
@@ -14,39 +20,67 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import httpx
 import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.models.utils import extract_layer_index
 
-from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_blockmap import BlockMap, LearnedCopier, UnknownLayout, learn_block_map
 from service.integrations.vllm_copy import KVCopier, Writer
 from service.integrations.vllm_layout import Layout, check_layout
-from service.integrations.vllm_metadata import Job, KVPoolMetadata, LoadJob, SaveJob
-from service.integrations.vllm_thread import WorkerThread
+from service.integrations.vllm_metadata import Job, KVPoolMetadata, KVPoolWorkerMeta, LoadJob, SaveJob
+from service.integrations.vllm_thread import ConnectorThread
 
 logger = logging.getLogger("service.integrations.vllm")
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of each kvpool page: KV heads [first_head, first_head + num_heads) of every layer;
+    `writes`: False for a replica of a head that another rank writes."""
+
+    first_head: int
+    num_heads: int
+    writes: bool
+
+    def of(self, blocks: torch.Tensor) -> torch.Tensor:
+        """This rank's view of the pool's blocks [P + 1, 2, L, page, H, D] (strided unless it is all of it)."""
+        return blocks[..., self.first_head : self.first_head + self.num_heads, :]
+
+
+def head_shard(total_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int, bool]:
+    """(first head, heads, writes) of tensor parallel rank `tp_rank`, as vLLM splits KV heads: H / tp each, or
+    (tp > H) head rank // (tp / H) on tp / H ranks, of which the first writes it."""
+    if tp_size <= total_heads:
+        if total_heads % tp_size:
+            raise ValueError(f"KVPoolConnector: {total_heads} KV heads do not split over {tp_size} ranks")
+        per_rank = total_heads // tp_size
+        return tp_rank * per_rank, per_rank, True
+    replicas = tp_size // total_heads
+    return tp_rank // replicas, 1, tp_rank % replicas == 0
+
+
 class KVPoolConnectorWorker:
-    """The worker role's state: vLLM's KV caches, this step's load errors, and the saves under way."""
+    """The worker role's state: vLLM's KV caches, this rank's shard, this step's load errors, the saves under
+    way and their reports."""
 
     def __init__(
-        self, vllm_config: VllmConfig, link: KVPoolLink, thread: WorkerThread, waits: Counter[str], block_size: int
+        self, vllm_config: VllmConfig, link: KVPoolLink, thread: ConnectorThread, waits: Counter[str], block_size: int
     ) -> None:
         self._vllm_config = vllm_config
         self._link, self._thread, self._waits, self._block_size = link, thread, waits, block_size
-        # Layer index -> its KV cache [num_blocks, heads, block_size, 2 * head_dim], and the attention
-        # backend's writer into it (what loads store K/V with).
+        # Layer index -> its KV cache [num_blocks, heads, block_size, 2 * head_dim],
+        # and the attention backend's writer into it (what loads store K/V with).
         self._layers: dict[int, torch.Tensor] = {}
         self._writers: dict[int, Writer] = {}
         self._copier: KVCopier | LearnedCopier | None = None
+        self._shard: Shard | None = None
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         # Saves run on the thread; these are shared with it (under _lock).
@@ -54,6 +88,9 @@ class KVPoolConnectorWorker:
         self._pending: Counter[str] = Counter()  # queued or running saves of each request
         self._save_reqs: set[str] = set()  # requests the scheduler gave a save (it delays their blocks' free)
         self._finishing: set[str] = set()  # of those, the finished ones whose saves are still pending
+        self._written: Counter[int] = Counter()  # saves done since the last report, by save_id: written
+        self._failed: Counter[int] = Counter()  # ... and not written
+        self._reported: Counter[str] = Counter()  # the counters as last reported
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context
@@ -82,19 +119,34 @@ class KVPoolConnectorWorker:
             index = extract_layer_index(name)
             self._layers[index] = cache
             self._writers[index] = partial(_write_layer, layer, cache)
-        if sorted(self._layers) != list(range(self._link.model.num_layers)):
+        model = self._link.model
+        if sorted(self._layers) != list(range(model.num_layers)):
             raise ValueError(
-                f"KVPoolConnector: expected layers 0..{self._link.model.num_layers - 1}, "
-                f"vLLM registered {sorted(self._layers)}"
+                f"KVPoolConnector: expected layers 0..{model.num_layers - 1}, vLLM registered {sorted(self._layers)}"
             )
+        self._shard = Shard(
+            *head_shard(model.num_kv_heads, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+        )
+        # The compiled copy takes a whole pool's heads; a part of them is copied by torch ops.
+        whole = self._shard.num_heads == model.num_kv_heads
         if maps:
             if layouts or any(not torch.equal(m.where, maps[0].where) for m in maps):
                 raise ValueError("KVPoolConnector: the layers' KV block layouts differ")
+            if not whole:
+                raise ValueError(
+                    "KVPoolConnector: a learned block layout (FP8 cache, AMX blocks) is copied for a whole pool's KV "
+                    "heads only: tensor parallelism that splits the KV heads is not supported with it yet"
+                )
             self._copier = LearnedCopier(self._layers, maps[0], kv_scales or None)
             return
         if len(layouts) != 1:
             raise ValueError(f"KVPoolConnector: the layers' KV block layouts differ: {sorted(x.name for x in layouts)}")
-        self._copier = KVCopier(self._layers, self._writers, self._block_size, layout=layouts.pop())
+        cache_heads = self._layers[0].shape[1]
+        if cache_heads != self._shard.num_heads:
+            raise ValueError(
+                f"KVPoolConnector: vLLM's cache holds {cache_heads} KV heads per rank, not {self._shard.num_heads}"
+            )
+        self._copier = KVCopier(self._layers, self._writers, self._block_size, native=whole, layout=layouts.pop())
 
     def _layout(self, layer: Any, cache: torch.Tensor) -> Layout | BlockMap:
         """A known view layout (vllm_layout) for a plain cache, else the block layout the layer's writer is
@@ -143,7 +195,7 @@ class KVPoolConnectorWorker:
         pool = link.pool
         if pool is None:
             return False
-        assert self._copier is not None
+        assert self._copier is not None and self._shard is not None
         began = time.perf_counter_ns()
         # A hit that stops one token short of the prompt ends inside a run of g = gcd(page, block) tokens: the
         # copy takes the whole run. The tokens past the hit are in a kvpool page that holds them and in a block
@@ -151,12 +203,12 @@ class KVPoolConnectorWorker:
         # it computes them, before its attention reads them.
         g = math.gcd(link.page_size, self._block_size)
         end = -(-(job.start + job.count) // g) * g
-        if isinstance(self._copier, LearnedCopier):
+        if isinstance(self._copier, LearnedCopier):  # a whole pool's heads (register_kv_caches)
             if not self._copier.load(pool.blocks, pool.scales, job.pages, job.block_ids, job.start, end):
                 link.stats["load_scale_mismatches"] += 1
                 return False
         else:
-            self._copier.load(pool.blocks, job.pages, job.block_ids, job.start, end)
+            self._copier.load(self._shard.of(pool.blocks), job.pages, job.block_ids, job.start, end)
         link.stats["load_copy_ns"] += time.perf_counter_ns() - began
         # The copy is right only if the pin (hence its pages) lived throughout on the mapped server: the pin
         # exists now on the mapped instance (one call, its answer naming the instance; a server loses its
@@ -179,36 +231,67 @@ class KVPoolConnectorWorker:
         for job in meta.saves:
             with self._lock:
                 self._save_reqs.add(job.req_id)
-                # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, we save none
-                # of it (and release its pin: nothing was appended to it, its pages are cached ones).
-                skip = job.req_id in failed
-                if not skip:
-                    self._pending[job.req_id] += 1
-            if skip:
-                if job.pin_id is not None:
-                    self._thread.submit(partial(self._free, job.pin_id))
-                continue
+                # A request whose load failed ran this step on unloaded blocks: vLLM recomputes it, and this
+                # rank does not write it (so that the scheduler releases its pages uncommitted).
+                if job.req_id in failed:
+                    self._failed[job.save_id] += 1
+                    continue
+                self._pending[job.req_id] += 1
             if self._thread.submit(partial(self._run_save, job, forward_done)):
                 self._waits["save_queue_full"] += 1
 
-    def _free(self, seq_id: str) -> None:
-        self._link.free(seq_id)
-
     def _run_save(self, job: SaveJob, forward_done: "torch.cuda.Event | None" = None) -> None:
         began = time.perf_counter_ns()
+        written = False
         try:
             if forward_done is not None:
                 forward_done.synchronize()  # the forward that computed these blocks has written them
-            if self._link.usable():
-                self._guarded(self._save, job)
-            elif job.pin_id is not None:
-                self._link.forget(job.pin_id)  # released once kvpool answers again (if the pin outlived it)
+            written = self._guarded(self._save, job)
         finally:
             self._link.stats["save_ns"] += time.perf_counter_ns() - began  # on the thread, not in the step
             with self._lock:
+                (self._written if written else self._failed)[job.save_id] += 1
                 self._pending[job.req_id] -= 1
                 if self._pending[job.req_id] <= 0:
                     del self._pending[job.req_id]
+
+    def _save(self, job: SaveJob) -> bool:
+        """Write this rank's part of the job's pages; True once written into the pool of the server that
+        appended them (the one whose free then commits them: a server restarted since has lost the
+        sequence, and a page id of another instance is someone else's page)."""
+        assert self._shard is not None and self._copier is not None
+        if not self._shard.writes:
+            return True  # a replica: the rank that holds the head first writes it
+        link = self._link
+        if not link.usable():
+            return False
+        if link.instance_id != job.instance_id:  # restarted: map the new pool, if it is the one that appended
+            if not link.connect(at_start=False) or link.instance_id != job.instance_id:
+                return False
+        pool = link.pool
+        if pool is None:
+            return False
+        began = time.perf_counter_ns()
+        if isinstance(self._copier, LearnedCopier):  # a whole pool's heads (register_kv_caches)
+            self._copier.save(pool.blocks, pool.scales, job.block_ids, job.pages, job.start, job.end)
+        else:
+            self._copier.save(self._shard.of(pool.blocks), job.block_ids, job.pages, job.start, job.end)
+        link.stats["save_copy_ns"] += time.perf_counter_ns() - began
+        link.stats["written_tokens"] += job.end - job.start
+        return True
+
+    def build_connector_worker_meta(self) -> KVPoolWorkerMeta | None:
+        """The saves done since the last step, written or not, and the counters' growth since: vLLM sums them
+        over the ranks for the scheduler."""
+        with self._lock:
+            written, failed = self._written, self._failed
+            self._written, self._failed = Counter(), Counter()
+        now = Counter(dict(self._link.stats)) + Counter(dict(self._waits))  # (dict(): one C-level copy each)
+        grown = now - self._reported
+        self._reported = now
+        if not (written or failed or grown):
+            return None
+        return KVPoolWorkerMeta(written, failed, grown)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The finished requests whose saves are all done: vLLM may free their blocks now."""
@@ -237,67 +320,6 @@ class KVPoolConnectorWorker:
             self._link.stats["internal_errors"] += 1
             logger.exception("kvpool connector: %s of request %s failed", fn.__name__.strip("_"), job.req_id)
             return False
-
-    def _save(self, job: SaveJob) -> None:
-        link = self._link
-        if job.pin_id is not None:  # the request's pin: it holds the prefix kvpool had at the lookup
-            seq_id, start = job.pin_id, job.pin_length
-        else:
-            seq = link.create(job.token_ids, job.cache_salt)
-            if seq is None:
-                return
-            seq_id, start = seq.seq_id, seq.cached_tokens
-        if start < job.end:
-            try:
-                appended = link.client.append(seq_id, token_ids=job.token_ids[start : job.end], instance=True)
-            except KVPoolError as exc:  # refused whole (out of pages, quota): nothing was appended
-                link.record(exc)
-                link.free(seq_id)
-                return
-            except httpx.HTTPError as exc:
-                # Not freed: the append may have run, and a free would commit its unwritten pages.
-                link.record(exc)
-                link.stats["sequences_left"] += 1
-                return
-            if not self._write(job, start, seq_id, appended.block_table, appended.instance_id):
-                link.stats["sequences_left"] += 1  # the same: written into a pool that is not the server's
-                return
-            link.stats["saved_tokens"] += job.end - start
-        link.free(seq_id)
-
-    def _write(self, job: SaveJob, start: int, seq_id: str, pages: list[int], instance_id: str | None) -> bool:
-        """Copy tokens [start, job.end) into the sequence's `pages`; True once written into the pool of the
-        server that holds the sequence (the one the free then commits it on).
-
-        `instance_id`: the server that ran the append. The mapped one: its pages are the mapped pool's, and
-        no check after the write is needed (a server restarted after the append has lost the sequence, so
-        the free finds nothing to commit). Another one (restarted before the append): the new pool is
-        mapped, and written only if that is the server that ran the append. Unnamed (an older server): the
-        server is checked after the write, and a restart found then is written again only if the server
-        answering holds this sequence on these very pages (otherwise those page ids are someone else's).
-        """
-        link = self._link
-        if instance_id is not None and instance_id != link.instance_id:  # connect() counts the restart
-            if not link.connect(at_start=False) or link.instance_id != instance_id:
-                return False
-        for attempt in range(2):
-            pool = link.pool
-            if pool is None:
-                return False
-            if attempt and not link.holds(seq_id, pages):
-                return False
-            assert self._copier is not None
-            began = time.perf_counter_ns()
-            if isinstance(self._copier, LearnedCopier):
-                self._copier.save(pool.blocks, pool.scales, job.block_ids, pages, start, job.end)
-            else:
-                self._copier.save(pool.blocks, job.block_ids, pages, start, job.end)
-            link.stats["save_copy_ns"] += time.perf_counter_ns() - began
-            if instance_id is not None or link.same_instance():
-                return True
-            if not link.connect(at_start=False):
-                return False
-        return False
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 import service.core
 from service import __version__
 from service.config import Settings
+from service.pool import PoolState
 from service.server.auth import BearerAuth, ipc_authorizer
 from service.server.deadlines import RequestDeadline
 from service.server.errors import install_error_handlers
@@ -20,7 +21,6 @@ from service.server.metrics import Metrics, RequestMetricsMiddleware
 from service.server.routes import attend, ipc, pool, prefix, sequences, step
 from service.server.routes import metrics as metrics_route
 from service.server.routes.table import document_request_bodies
-from service.server.state import PoolState
 
 log = logging.getLogger("kvpool.server")
 

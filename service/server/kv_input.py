@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from service.core.errors import InvalidRequest
-from service.server.state import PoolState
+from service.pool import PoolState
 from service.wire.models import Tensor
 from service.wire.tensors import decode
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import orjson
 
-from service.server.state import PoolState
+from service.pool import PoolState
 
 log = logging.getLogger("kvpool.leases")
 

@@ -22,7 +22,7 @@ from service import __version__
 from service.server.route_match import match_path
 
 if TYPE_CHECKING:
-    from service.server.state import PoolState
+    from service.pool import PoolState
 
 # Request latencies on loopback run from ~100 µs (a probe) to seconds (a large attend on the CPU).
 REQUEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -82,8 +82,8 @@ class PoolCollector(Collector):
             for outcome, count in outcomes.items():
                 replays.add_metric([outcome], count)
             yield replays
-        if state.tiers is not None:
-            yield from tier_metrics(state.tiers.report())
+        if state.cache.tiers:
+            yield from tier_metrics(state.cache.report())
         info = GaugeMetricFamily(
             "kvpool_info",
             "The pool's settings; always 1.",
@@ -105,16 +105,16 @@ TIER_COUNTERS = {
     "rejected": "Entries found but not loaded: token ids, geometry or checksum not matching.",
 }
 TIER_GAUGES = {
-    "used_bytes": "Bytes the tier holds (local tiers).",
-    "capacity_bytes": "Bytes the tier can hold (local tiers).",
-    "entries": "Pages the tier holds (local tiers).",
+    "used_bytes": "Bytes the tier holds (spill tiers).",
+    "capacity_bytes": "Bytes the tier can hold (spill tiers).",
+    "entries": "Pages the tier holds (spill tiers).",
     "up": "1 while the tier works, 0 during an incident.",
     "queued_pages": "Pages waiting to be written to the tier.",
 }
 
 
 def tier_metrics(rows: list[dict[str, Any]]) -> Iterable[Metric]:
-    """kvpool_tier_*{tier="host|disk|remote"} from Tiers.report()."""
+    """kvpool_tier_*{tier="host|disk|remote"} from PrefixCache.report()."""
     for key, doc in TIER_COUNTERS.items():
         counter = CounterMetricFamily(f"kvpool_tier_{key}", doc, labels=["tier"])
         for row in rows:

@@ -13,7 +13,7 @@ from types import FrameType
 
 import uvicorn
 
-from service.server.state import PoolState
+from service.pool import PoolState
 
 
 class DrainingServer(uvicorn.Server):

@@ -1,7 +1,7 @@
-"""The shared tier on a Redis (or Valkey) Cluster: the URL, the write client and the read routing.
+"""The remote tier on a Redis (or Valkey) Cluster: the URL, the write client and the read routing.
 
 URL: redis+cluster://[user:password@]host:port[,host:port...][/0], or rediss+cluster:// for TLS (with
-redis-py's ssl_* options of service.tiers.resp.TLS_OPTIONS as the query, as on rediss://). The hosts are
+redis-py's ssl_* options of service.remote_url.TLS_OPTIONS as the query, as on rediss://). The hosts are
 seeds: any one that answers gives the whole slot map. A scheme of its own, as Prefect and docket name
 Sentinel (redis+sentinel://), because a cluster is a different protocol from the same redis:// port (a
 standalone client there gets -MOVED for two keys in three), the whole topology then fits the one
@@ -21,7 +21,6 @@ fails closes every connection and the map is fetched again too.
 """
 
 import collections
-import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,44 +29,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
-from service.tiers.resp import REDIRECTED, TLS_OPTIONS, RespConnection, RespError, tls_context
-
-SCHEMES = ("redis+cluster", "rediss+cluster")
-Address = tuple[str, int]
-
-
-def is_cluster_url(url: str) -> bool:
-    return url.split("://", 1)[0] in SCHEMES
-
-
-def parse_cluster_url(url: str) -> tuple[list[Address], str | None, str | None, dict[str, Any] | None]:
-    """(seed addresses, username, password, TLS options or None without TLS) of a redis+cluster:// URL;
-    ValueError if malformed."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in SCHEMES:
-        raise ValueError(f"not a Redis Cluster URL: {parts.scheme}://")
-    if parts.path not in ("", "/", "/0"):
-        raise ValueError("a Redis Cluster has only database 0")
-    options: dict[str, Any] = dict(urllib.parse.parse_qsl(parts.query))
-    if set(options) - set(TLS_OPTIONS) or (options and parts.scheme != "rediss+cluster"):
-        raise ValueError(f"a Redis Cluster URL takes no options but {', '.join(TLS_OPTIONS)} (rediss+cluster://)")
-    if "ssl_check_hostname" in options:
-        options["ssl_check_hostname"] = options["ssl_check_hostname"].lower() in ("true", "1", "yes")
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    username, _, password = userinfo.partition(":")
-    seeds = []
-    for item in hosts.split(","):
-        if item.startswith("["):  # [IPv6]:port
-            host, _, port = item[1:].partition("]")
-            port = port.removeprefix(":")
-        else:
-            host, _, port = item.partition(":")
-        if not host or (port and not port.isdigit()):
-            raise ValueError(f"a Redis Cluster URL lists host:port seeds, not {item!r}")
-        seeds.append((host, int(port or 6379)))
-    unquote = urllib.parse.unquote
-    tls = options if parts.scheme == "rediss+cluster" else None
-    return seeds, unquote(username) or None, unquote(password) or None, tls
+from service.remote_url import Address, parse_cluster_url
+from service.tiers.resp import REDIRECTED, RespConnection, RespError, tls_context
 
 
 def cluster_client(url: str, timeout: float) -> RedisCluster:

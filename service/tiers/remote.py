@@ -1,11 +1,6 @@
-"""The shared tier: committed pages in Redis or Valkey, for every kvpool with the same URL and geometry.
+"""The remote tier's store: committed pages in Redis or Valkey, for every kvpool with the same URL and geometry.
 
-Key:   kvpool:v2:<geometry>:<page hash hex>. The page hash chains from the tenant's salted root
-       (service.core.hashing), so tenants never share a key; the geometry (layers, kv heads,
-       head_dim, page size, dtype, FP8 scales / MLA) is in the key, so pools that differ never mix.
-Value: magic || geometry || page hash || token ids (int64) || page bytes || XXH3-64 of all before it.
-       A lookup knows every part but the page bytes, so it loads an entry only if that whole prefix
-       is what it expects and the checksum matches; anything else is counted as rejected and ignored.
+Entries: one page per key, its value checked by a checksum or a keyed MAC (service.tiers.entries).
 Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S), and every read that finds an entry sets it again
        (GETEX ... EX in the read itself, no extra round trip), so a prefix in use never ages out and
        the store's size is bounded by the rate of new pages times the TTL even when it is shared with
@@ -23,31 +18,28 @@ come (receiving into them saves a copy of every byte) without allocating,
 and evicting device pages for, what the store does not hold. One connection on redis://, rediss:// (TLS)
 and unix:// URLs, one per node on
 redis[s]+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss:// with
-TLS options the reader does not handle (resp.TLS_OPTIONS) reads through redis-py's pipelines instead
+TLS options the reader does not handle (service.remote_url.TLS_OPTIONS) reads through redis-py's pipelines instead
 (slower: its parser copies each value). Each command
 is bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a failure is counted, the tier skipped for a second,
 and the next call reconnects. Needs Redis >= 6.2 (GETEX) or any Valkey.
 """
 
-import struct
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 import redis
-import xxhash
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from service.config import Settings
 from service.core.tier_index import chain_hashes
-from service.tiers.cluster import ClusterReader, cluster_client, is_cluster_url
-from service.tiers.resp import REDIRECTED, RespConnection
+from service.remote_url import is_cluster_url
+from service.tiers.cluster import ClusterReader, cluster_client
+from service.tiers.entries import EntryFormat
+from service.tiers.resp import REDIRECTED, WRONG_TYPE, RespConnection
 from service.tiers.stats import TierStats
-from service.wire.dtypes import FP8_DTYPES
 
-MAGIC = b"kvpool-remote-v2"  # v2: XXH3-64 instead of zlib's CRC-32 (a fifth of a restore: docs/benchmarks.md)
 Chain = tuple[list[bytes], list[bytes]]  # page hashes, token bytes
 # Values per pipelined GETEX batch (two batches in flight; none sent after the first bad entry): about
 # READ_BATCH_BYTES of them, at most READ_BATCH. Small batches keep what the store has in flight (its
@@ -56,57 +48,18 @@ Chain = tuple[list[bytes], list[bytes]]  # page hashes, token bytes
 READ_BATCH, READ_BATCH_BYTES = 32, 2 << 20
 IN_FLIGHT = 2  # batches sent ahead of the replies being read
 COUNT_BATCH = 32  # keys in the first pipelined EXISTS batch, twice as many in each next (a miss stays cheap)
-CHECKSUM = struct.Struct("<Q")  # xxhash's XXH3-64, at memory speed
 
 
 def read_batch(page_nbytes: int) -> int:
     return max(1, min(READ_BATCH, READ_BATCH_BYTES // page_nbytes))
 
 
-def geometry(s: Settings) -> str:
-    """What must match for two pools to share pages, as a key part (e.g. L4.H2.D64.P16.float32)."""
-    tag = f"L{s.num_layers}.H{s.num_kv_heads}.D{s.head_dim}.P{s.page_size}.{s.dtype}"
-    if s.dtype in FP8_DTYPES:
-        tag += f".g{s.quant_granularity}.{s.scale_dtype}"
-    if s.mla:
-        tag += f".mla{s.kv_lora_rank}"
-    return tag
-
-
-def page_key(geometry_tag: str, page_hash: bytes) -> str:
-    return f"kvpool:v2:{geometry_tag}:{page_hash.hex()}"
-
-
-def value_prefix(geometry_tag: str, page_hash: bytes, token_bytes: bytes) -> bytes:
-    tag = geometry_tag.encode()
-    return MAGIC + struct.pack("<H", len(tag)) + tag + page_hash + struct.pack("<I", len(token_bytes)) + token_bytes
-
-
-def encode_value(prefix: bytes, data: bytes) -> bytes:
-    body = prefix + data
-    return body + CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def decode_value(value: bytes | None, prefix: bytes, page_nbytes: int) -> np.ndarray | None:
-    """The page bytes of `value` if it is the entry `prefix` describes, intact; else None."""
-    if value is None or len(value) != len(prefix) + page_nbytes + CHECKSUM.size:
-        return None
-    view = memoryview(value)
-    if view[: len(prefix)] != prefix:
-        return None
-    if CHECKSUM.unpack_from(view, len(view) - CHECKSUM.size)[0] != xxhash.xxh3_64_intdigest(view[: -CHECKSUM.size]):
-        return None
-    return np.frombuffer(view, dtype=np.uint8, count=page_nbytes, offset=len(prefix))
-
-
 class RemoteStore:
     name = "remote"
 
-    def __init__(self, settings: Settings, page_nbytes: int) -> None:
-        self.geometry = geometry(settings)
-        self.page_nbytes = page_nbytes
-        self.ttl_s = settings.remote_ttl_s
-        self.url, self.timeout = settings.remote_url, settings.remote_timeout_s
+    def __init__(self, url: str, timeout_s: float, ttl_s: int, entries: EntryFormat, page_nbytes: int) -> None:
+        self.entries, self.page_nbytes, self.ttl_s = entries, page_nbytes, ttl_s
+        self.url, self.timeout = url, timeout_s
         self.cluster = is_cluster_url(self.url)
         self._client: redis.Redis | RedisCluster | None = None  # redis-py, made at first use (client())
         self.reader: RespConnection | ClusterReader | None = None  # None: reads through redis-py
@@ -179,8 +132,8 @@ class RemoteStore:
         if self.reader is None:
             return self._get_into_redispy(hashes, tokens, pages)
         reader = self.reader
-        header = bytearray(len(value_prefix(self.geometry, hashes[0], tokens[0])))
-        checksum = bytearray(CHECKSUM.size)
+        header = bytearray(self.entries.header_nbytes(hashes[0], tokens[0]))
+        checksum = bytearray(self.entries.seal.tag_nbytes)
         value_nbytes = len(header) + self.page_nbytes + len(checksum)
         scratch = [memoryview(bytearray(value_nbytes))]  # values after a bad one: read off, not kept
         batch = read_batch(self.page_nbytes)
@@ -200,23 +153,12 @@ class RemoteStore:
                 n = reader.read_value(parts)
                 redirected |= n == REDIRECTED
                 if intact:  # checked as it arrives, while it is in the cache
-                    intact = n == value_nbytes and self._intact(header, checksum, pages[i], hashes[i], tokens[i])
-                    if not intact and n >= 0:
+                    intact = n == value_nbytes and self.entries.intact(header, pages[i], checksum, hashes[i], tokens[i])
+                    if not intact and (n >= 0 or n == WRONG_TYPE):
                         self.stats.rejected += 1  # (a wrong size was not kept: read into a scratch buffer)
                     num += intact
             self.stats.errors += redirected
         return num
-
-    def _intact(
-        self, header: bytearray, checksum: bytearray, parts: Sequence[memoryview], page_hash: bytes, tokens: bytes
-    ) -> bool:
-        """Whether a value received as header || parts || checksum is the entry of `page_hash` intact."""
-        if header != value_prefix(self.geometry, page_hash, tokens):
-            return False
-        digest = xxhash.xxh3_64(header)
-        for part in parts:
-            digest.update(part)
-        return bool(CHECKSUM.unpack(checksum)[0] == digest.intdigest())
 
     def _get_into_redispy(self, hashes: list[bytes], tokens: list[bytes], pages: Sequence[Sequence[memoryview]]) -> int:
         """get_into through redis-py (a cluster or TLS options the reader does not handle): its values
@@ -226,9 +168,13 @@ class RemoteStore:
             pipe = self.client().pipeline(transaction=False)
             for key in self._keys(hashes[start : start + batch]):
                 pipe.getex(key, ex=self.ttl_s)
-            values: list[bytes | None] = pipe.execute()
+            # A key of another type answers -WRONGTYPE: an error object among the values, a bad entry.
+            values: list[bytes | redis.ResponseError | None] = pipe.execute(raise_on_error=False)
             for i, value in enumerate(values, start):
-                data = decode_value(value, value_prefix(self.geometry, hashes[i], tokens[i]), self.page_nbytes)
+                if isinstance(value, redis.ResponseError) and not str(value).startswith("WRONGTYPE"):
+                    raise value
+                entry = value if isinstance(value, bytes) else None
+                data = self.entries.decode(entry, hashes[i], tokens[i], self.page_nbytes)
                 if data is None:
                     self.stats.rejected += value is not None
                     return num
@@ -240,15 +186,15 @@ class RemoteStore:
         return num
 
     def _keys(self, hashes: list[bytes]) -> list[str]:
-        return [page_key(self.geometry, h) for h in hashes]
+        return [self.entries.key(h) for h in hashes]
 
     def put(self, hashes: list[bytes], token_bytes: list[bytes], data: np.ndarray) -> int:
         """SET each page with the TTL, pipelined (one round trip); returns bytes sent."""
         pipe = self.client().pipeline(transaction=False)
         sent = 0
         for i, (page_hash, tokens) in enumerate(zip(hashes, token_bytes)):
-            value = encode_value(value_prefix(self.geometry, page_hash, tokens), data[i].tobytes())
-            pipe.set(page_key(self.geometry, page_hash), value, ex=self.ttl_s)
+            value = self.entries.encode(page_hash, tokens, data[i].data)
+            pipe.set(self.entries.key(page_hash), value, ex=self.ttl_s)
             sent += len(value)
         pipe.execute()
         return sent

@@ -1,4 +1,4 @@
-"""The shared tier's read path: pipelined GETEX over a plain socket, each value received straight where
+"""The remote tier's read path: pipelined GETEX over a plain socket, each value received straight where
 it is to stay (recv_into: a row of an array, or the parts of a pool page with the value's header and
 checksum in small buffers beside), no copy in between. redis-py's Python parser copies every value 3-4
 times through a BytesIO, which capped restores well below what the store can send (docs/benchmarks.md,
@@ -27,12 +27,15 @@ from typing import Any
 
 from redis.connection import SSLConnection, parse_url
 
+from service.remote_url import TLS_OPTIONS
+
 LINE_BUF = 1 << 16
 RECV_BUF = 8 << 20
-MISSING, REDIRECTED = -1, -2  # sizes read_value returns besides a value's length
+# Sizes read_value returns besides a value's length: no such key; the key's slot is on another node
+# (-MOVED/-ASK); the key holds another type (-WRONGTYPE: a list, say): a bad entry, not a failed store.
+MISSING, REDIRECTED, WRONG_TYPE = -1, -2, -3
 
 
-TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
 _SSL_DEFAULTS = inspect.signature(SSLConnection.__init__).parameters
 
 
@@ -211,13 +214,17 @@ class RespConnection:
 
     def read_value(self, into: Sequence[memoryview]) -> int:
         """The next reply, a value: straight into the writable buffers `into`, filled in turn, when its
-        size is what they hold together. Returns its size, or MISSING (no such key), or REDIRECTED (-MOVED/-ASK:
-        the key's slot is on another node)."""
+        size is what they hold together (a value of another size, empty included, is read off into a
+        scratch buffer). Returns its size, or MISSING (no such key), REDIRECTED (-MOVED/-ASK: the key's
+        slot is on another node) or WRONG_TYPE (-WRONGTYPE: the key is no string); the stream stays
+        usable after each of these."""
         try:
             line = self._line()
             if line[:1] != b"$":
                 if line.startswith((b"-MOVED ", b"-ASK ")):
                     return REDIRECTED
+                if line.startswith(b"-WRONGTYPE"):
+                    return WRONG_TYPE
                 raise RespError(f"GETEX: {line[:200]!r}")
             size = int(line[1:])
             if size < 0:
@@ -226,7 +233,7 @@ class RespConnection:
                 for part in into:
                     self._read_into(part)
             else:
-                scratch = memoryview(bytearray(min(size, LINE_BUF)))
+                scratch = memoryview(bytearray(max(1, min(size, LINE_BUF))))
                 for start in range(0, size, len(scratch)):
                     self._read_into(scratch[: min(len(scratch), size - start)])
             self._bulk_end()

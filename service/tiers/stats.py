@@ -11,7 +11,7 @@ class TierStats:
     misses: int = 0  # lookups that reached the tier and found not even the next page
     bytes_in: int = 0  # bytes read back from the tier into the device
     bytes_out: int = 0  # bytes written to the tier
-    errors: int = 0  # failed reads or writes (store down, disk full, bad data on a local tier)
+    errors: int = 0  # failed reads or writes (store down, disk full, bad data on a spill tier)
     skipped: int = 0  # pages not written: queue full, or the tier down
     rejected: int = 0  # entries found but not loaded: tokens, geometry or checksum not matching
 

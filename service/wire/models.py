@@ -184,10 +184,10 @@ class AttendOut(Answer):
 
 class TierOut(Answer):
     tier: Literal["host", "disk", "remote"]
-    capacity_bytes: int | None = Field(description="local tiers: bytes it can hold; null for the remote store")
+    capacity_bytes: int | None = Field(description="spill tiers: bytes it can hold; null for the remote tier")
     used_bytes: int | None
     capacity_entries: int | None
-    entries: int | None = Field(description="pages it holds (local tiers)")
+    entries: int | None = Field(description="pages it holds (spill tiers)")
     up: bool = Field(description="false during an incident (store down, disk full)")
     queued_pages: int = Field(description="pages waiting to be written (remote)")
     hits: int = Field(description="pages restored from it")
@@ -238,7 +238,7 @@ class PrefixMatchOut(Answer):
     num_pages: int = Field(description="cached pages they fill")
     device_pages: int = Field(0, description="of them, pages in the device's prefix cache")
     tier_pages: int = Field(
-        0, description="of them, pages the node's tier (KVPOOL_SPILL) holds after those (a create copies them back)"
+        0, description="of them, pages the spill tier (KVPOOL_SPILL) holds after those (a create copies them back)"
     )
 
 

@@ -28,7 +28,11 @@ def test_quick_run_restores_from_every_tier_and_reports_figures(tmp_path: Path) 
     assert "working set 8 prefixes (x3.9)" in out
     result = json.loads((tmp_path / "tiers.json").read_text())
     assert result["kind"] == "tiers" and result["command"] == "kvpool bench tiers --quick", result
-    assert [row["name"] for row in result["tiers"]] == ["host", "disk", "remote"], result
+    assert [row["name"] for row in result["tiers"]] == ["host", "disk", "remote", "remote-mac"], result
+    # The keyed MAC's cost, on restores paired with the checksum's (a figure, no target asserted here).
+    assert re.search(
+        r"restores paired .*\n  alternating\): wall time [+-]\d+%, this process's CPU time [+-]\d+%", out
+    ), out
     for tier, row in zip(("host", "disk", "remote"), result["tiers"]):
         pattern = rf"^{tier}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)%\s+(\d+\.\d)x"
         printed = re.search(pattern, out, re.M)
@@ -37,7 +41,7 @@ def test_quick_run_restores_from_every_tier_and_reports_figures(tmp_path: Path) 
         assert printed.groups() == tuple(f"{x:.{d}f}" for x, d in zip(saved, (1, 2, 1, 0, 1))), (printed[0], row)
     alone = float(re.search(r"device pool alone: (\d+\.\d)%", out)[1])  # type: ignore[index]
     assert 0 < alone < 50
-    for tier in ("host", "disk"):  # the local tiers hold the whole working set: every prompt hits
+    for tier in ("host", "disk"):  # the spill tiers hold the whole working set: every prompt hits
         assert f"with the {tier} tier: 100.0%" in out, out
     remote = float(re.search(r"with the remote tier: (\d+\.\d)%", out)[1])  # type: ignore[index]
     assert remote >= 3 * alone, out

@@ -51,6 +51,21 @@ def test_sequence_endpoints(client: KVPoolClient) -> None:
     assert client.pool()["num_sequences"] == 0
 
 
+def test_a_free_without_commit_leaves_nothing_to_hit(client: KVPoolClient) -> None:
+    """A writer that could not write what it appended frees with commit=False: no prefix hits those pages."""
+    prompt = [11, 12, 13, 14, 21, 22, 23, 24, 31]  # two full pages of 4
+    assert client.create_sequence("w", prompt).cached_tokens == 0
+    client.append("w", token_ids=prompt[:8])  # K/V to be written through the mapped pool: not committed yet
+    assert client.free("w", commit=False) == 2
+    probe = client.create_sequence("probe", prompt)
+    assert probe.cached_tokens == 0
+    client.append("probe", token_ids=prompt[:8])
+    client.free("probe")  # committed this time
+    assert client.create_sequence("again", prompt).cached_tokens == 8
+    client.free("again")
+    assert client.pool()["num_sequences"] == 0
+
+
 def test_step_and_attend(client: KVPoolClient) -> None:
     torch.manual_seed(1)
     for seq_id in ("s-a", "s-b"):

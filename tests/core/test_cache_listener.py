@@ -3,6 +3,7 @@
 import numpy as np
 
 from service.core.allocator import PageAllocator
+from service.core.cache_listener import COMPUTED, RESTORED
 from service.core.hashing import page_hash, root_hash, token_bytes
 
 ROOT = root_hash("")
@@ -12,9 +13,13 @@ PAGE = 2  # tokens per page
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.origins: list[str] = []
 
-    def stored(self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, tokens: bytes, at_root: bool) -> None:
+    def stored(
+        self, pages: np.ndarray, hashes: np.ndarray, parent: bytes, tokens: bytes, at_root: bool, origin: str
+    ) -> None:
         self.calls.append(("stored", pages.tolist(), [h.tobytes() for h in hashes], parent, tokens, at_root))
+        self.origins.append(origin)
 
     def removed(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
         self.calls.append(("removed", pages.tolist(), [h.tobytes() for h in hashes], [k.tobytes() for k in keys]))
@@ -43,11 +48,12 @@ def test_commit_reports_new_pages_in_runs_and_eviction_reports_keys() -> None:
     assert rec.calls == [("stored", [1], [h[1]], h[0], token_bytes(tokens[1]), False)]
     rec.calls.clear()
     data = token_bytes([t for page in tokens for t in page])
-    assert a.commit([0, 3, 2], ROOT, data, 8 * PAGE, at_root=True) == h[2]
+    assert a.commit([0, 3, 2], ROOT, data, 8 * PAGE, at_root=True, origin=RESTORED) == h[2]
     assert rec.calls == [
         ("stored", [0], [h[0]], ROOT, token_bytes(tokens[0]), True),
         ("stored", [2], [h[2]], h[1], token_bytes(tokens[2]), False),  # a later run: never at the root
     ]
+    assert rec.origins == [COMPUTED, RESTORED, RESTORED]  # each commit says where its pages come from
     rec.calls.clear()
     # Release 2 then 0 (tail first) and exhaust the free pages: the oldest release goes first.
     a.release(np.array([2, 0], dtype=np.int64))

@@ -372,6 +372,19 @@ def test_pages_appended_without_data_are_cached_when_freed() -> None:
     assert [t.allocator.page_name(p) for p in (0, 1)] == prefix_hashes(P10, 4)
 
 
+def test_a_free_without_commit_releases_the_unwritten_pages_uncommitted() -> None:
+    t = make_table()
+    fill(t, "a", 4, P10[:4])  # page 0 committed (its K/V written with the append)
+    t.free("a")
+    assert t.create("b", P10).cached_tokens == 4  # on page 0
+    fill(t, "b", 6, P10[4:], data=False)  # pages 1 and 2: K/V not written yet
+    assert t.free("b", commit=False) == 3
+    # Page 0 stays cached (committed before); pages 1 and 2 went back uncommitted: nothing hits them.
+    assert t.allocator.cached_pages() == [0] and counts(t) == (0, 1, 7)
+    assert [t.allocator.page_name(p) for p in (1, 2)] == [None, None]
+    assert t.create("c", P10).cached_tokens == 4
+
+
 def test_appends_without_token_ids_stop_hashing() -> None:
     t = make_table()
     fill(t, "a", 4, P10[:4])

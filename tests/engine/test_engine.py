@@ -11,7 +11,7 @@ import torch
 from kernels import cpu_decode
 from service.config import Settings
 from service.engine.backends import Fp8Pages, MlaPages, PlainPages
-from service.engine.engine import Engine
+from service.engine.engine import DeviceEngine
 from service.engine.storage import Storage
 from tests.kernels.paged_data import assert_close, dense_attention, place_sequences
 
@@ -42,7 +42,7 @@ def test_a_cpu_pool_decodes_on_its_backend(
             native.decode(*args)
 
     monkeypatch.setattr(cpu_decode, "native", CountingNative)
-    engine = Engine(storage, setting)
+    engine = DeviceEngine(storage, setting)
     assert engine.backend == backend and isinstance(engine.impl, PlainPages)
     lengths = [5, 9]
     seqs = place_sequences(storage.blocks, 1, lengths, seed=2)
@@ -75,7 +75,7 @@ def test_fp8_and_mla_pools_on_the_cpu_run_their_references_as_backend_torch(
 ) -> None:
     storage = Storage(Settings(**{**SETTINGS, **special}))  # type: ignore[arg-type]
     try:
-        engine = Engine(storage, "auto")
+        engine = DeviceEngine(storage, "auto")
         assert engine.backend == "torch" and isinstance(engine.impl, kind)
         engine.close()
     finally:
@@ -83,12 +83,12 @@ def test_fp8_and_mla_pools_on_the_cpu_run_their_references_as_backend_torch(
 
 
 def test_the_cpu_backend_refuses_a_pool_on_another_device(storage: Storage) -> None:
-    class CudaStorage:  # what Engine reads of a CUDA pool's storage, before touching any tensor
+    class CudaStorage:  # what DeviceEngine reads of a CUDA pool's storage, before touching any tensor
         blocks, scales, mla = storage.blocks, None, False
         device = torch.device("cuda", 0)
 
     with pytest.raises(RuntimeError, match="'cpu' runs on a CPU pool, not on cuda:0"):
-        Engine(CudaStorage(), "cpu")  # type: ignore[arg-type]
+        DeviceEngine(CudaStorage(), "cpu")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +102,7 @@ def test_the_cpu_backend_refuses_a_pool_on_another_device(storage: Storage) -> N
 def test_copy_pages_copies_everything_a_page_holds(special: dict[str, Any]) -> None:
     storage = Storage(Settings(**{**SETTINGS, **special}))  # type: ignore[arg-type]
     try:
-        engine = Engine(storage, "auto")
+        engine = DeviceEngine(storage, "auto")
         gen = torch.Generator().manual_seed(1)
         storage.blocks.copy_(torch.randn(storage.blocks.shape, generator=gen).to(storage.blocks.dtype))
         if storage.scales is not None:
@@ -135,7 +135,7 @@ def test_an_explicit_setting_picks_its_backend(
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", ""))
     storage = Storage(Settings(**{**SETTINGS, **special}))  # type: ignore[arg-type]
     try:
-        engine = Engine(storage, setting)
+        engine = DeviceEngine(storage, setting)
         assert isinstance(engine.impl, kind) and engine.impl.name == engine.backend == name
         engine.close()
     finally:
@@ -144,4 +144,4 @@ def test_an_explicit_setting_picks_its_backend(
 
 def test_an_unknown_backend_is_refused(storage: Storage) -> None:
     with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
-        Engine(storage, "cuda")
+        DeviceEngine(storage, "cuda")

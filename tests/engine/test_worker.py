@@ -11,21 +11,21 @@ import pytest
 import torch
 
 from service.config import Settings
-from service.engine.engine import Engine
+from service.engine.engine import DeviceEngine
 from service.engine.storage import Storage
 
 
 @pytest.fixture
-def engine() -> Iterator[Engine]:
+def engine() -> Iterator[DeviceEngine]:
     settings = Settings(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, num_pages=8, device="cpu")
     storage = Storage(settings)
-    engine = Engine(storage)
+    engine = DeviceEngine(storage)
     yield engine
     engine.close()
     storage.close()
 
 
-def test_jobs_run_in_submission_order_on_one_thread(engine: Engine) -> None:
+def test_jobs_run_in_submission_order_on_one_thread(engine: DeviceEngine) -> None:
     ran: list[tuple[int, threading.Thread]] = []
     rng = random.Random(0)
 
@@ -44,7 +44,7 @@ def test_jobs_run_in_submission_order_on_one_thread(engine: Engine) -> None:
     assert len(threads) == 1 and threading.main_thread() not in threads
 
 
-def test_a_failing_job_raises_in_its_caller_and_the_worker_goes_on(engine: Engine) -> None:
+def test_a_failing_job_raises_in_its_caller_and_the_worker_goes_on(engine: DeviceEngine) -> None:
     error = ValueError("bad pages")
 
     def fail() -> None:
@@ -62,7 +62,7 @@ def test_a_failing_job_raises_in_its_caller_and_the_worker_goes_on(engine: Engin
     assert engine.call(lambda: 8) == 8
 
 
-def test_the_event_loop_runs_while_a_job_runs(engine: Engine) -> None:
+def test_the_event_loop_runs_while_a_job_runs(engine: DeviceEngine) -> None:
     async def main() -> int:
         job = engine.submit(lambda: time.sleep(0.5))
         ticks = 0
@@ -75,7 +75,7 @@ def test_the_event_loop_runs_while_a_job_runs(engine: Engine) -> None:
     assert asyncio.run(main()) >= 10  # ~50 expected; 0 or 1 if the job blocked the loop
 
 
-def test_a_job_whose_caller_is_cancelled_still_runs(engine: Engine) -> None:
+def test_a_job_whose_caller_is_cancelled_still_runs(engine: DeviceEngine) -> None:
     gate, ran = threading.Event(), threading.Event()
 
     async def main() -> None:
@@ -90,7 +90,7 @@ def test_a_job_whose_caller_is_cancelled_still_runs(engine: Engine) -> None:
     assert ran.is_set()
 
 
-def test_device_methods_run_only_on_the_worker(engine: Engine) -> None:
+def test_device_methods_run_only_on_the_worker(engine: DeviceEngine) -> None:
     q = torch.zeros(1, 1, 8)
     lut, lengths, qsl = torch.zeros(1, 8, dtype=torch.int64), torch.tensor([0]), torch.tensor([0, 1])
     with pytest.raises(AssertionError, match="worker"):
@@ -102,7 +102,7 @@ def test_device_methods_run_only_on_the_worker(engine: Engine) -> None:
     assert engine.call(lambda: engine.attend(q, 0, lut, lengths, qsl)).shape == (1, 1, 8)
 
 
-def test_close_lets_queued_jobs_finish_then_refuses_more(engine: Engine) -> None:
+def test_close_lets_queued_jobs_finish_then_refuses_more(engine: DeviceEngine) -> None:
     done: list[int] = []
 
     def job(i: int) -> None:
@@ -130,7 +130,7 @@ def test_close_lets_queued_jobs_finish_then_refuses_more(engine: Engine) -> None
     engine.close()  # idempotent
 
 
-def test_a_small_job_runs_inline_only_when_the_worker_is_idle(engine: Engine) -> None:
+def test_a_small_job_runs_inline_only_when_the_worker_is_idle(engine: DeviceEngine) -> None:
     """inline=True runs the job at once on the loop's thread if nothing is queued or running; otherwise
     it waits its turn on the worker, behind what was submitted before it (FIFO is kept)."""
     ran: list[tuple[str, threading.Thread]] = []
@@ -158,7 +158,7 @@ def test_a_small_job_runs_inline_only_when_the_worker_is_idle(engine: Engine) ->
     assert threads["slow"] is threads["behind"] is threads["big"] is not threading.main_thread()
 
 
-def test_an_inline_job_may_use_the_device_and_its_error_reaches_the_caller(engine: Engine) -> None:
+def test_an_inline_job_may_use_the_device_and_its_error_reaches_the_caller(engine: DeviceEngine) -> None:
     async def main() -> None:
         await engine.submit(lambda: engine.copy_pages([(0, 1)]), inline=True)  # device methods allowed inline
         with pytest.raises(ZeroDivisionError):
@@ -169,7 +169,7 @@ def test_an_inline_job_may_use_the_device_and_its_error_reaches_the_caller(engin
     asyncio.run(main())
 
 
-def test_fits_inline_bounds(engine: Engine) -> None:
-    assert engine.fits_inline(Engine.INLINE_MAX_FLOPS, Engine.INLINE_MAX_BYTES)
-    assert not engine.fits_inline(Engine.INLINE_MAX_FLOPS + 1)
-    assert not engine.fits_inline(nbytes=Engine.INLINE_MAX_BYTES + 1)
+def test_fits_inline_bounds(engine: DeviceEngine) -> None:
+    assert engine.fits_inline(DeviceEngine.INLINE_MAX_FLOPS, DeviceEngine.INLINE_MAX_BYTES)
+    assert not engine.fits_inline(DeviceEngine.INLINE_MAX_FLOPS + 1)
+    assert not engine.fits_inline(nbytes=DeviceEngine.INLINE_MAX_BYTES + 1)

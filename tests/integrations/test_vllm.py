@@ -48,17 +48,32 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 class Engine:
     """One vLLM engine process; generate() sends prompts and returns its outputs and connector counters."""
 
-    def __init__(self, model: str, kvpool_url: str | None, log: Path, wait: bool = True, **options: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        kvpool_url: str | None,
+        log: Path,
+        wait: bool = True,
+        tensor_parallel: int = 1,
+        **options: Any,
+    ) -> None:
         """options: more of vllm_engine's config (dtype, kv_cache_dtype, kv_role, ...)."""
         self.log_path = log
         self.log = log.open("w")
         config = {"model": model, "kvpool_url": kvpool_url, "block_size": BLOCK, "max_tokens": 8, **options}
         env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+        if tensor_parallel > 1:
+            config["tensor_parallel_size"] = tensor_parallel
+            # vLLM's CPU workers bind their OpenMP threads to a core each (its automatic binding refuses to put
+            # two workers on one NUMA node).
+            cores = sorted(os.sched_getaffinity(0))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(tensor_parallel))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integrations.vllm_engine", json.dumps(config)],
             cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
         )  # fmt: skip
         self.stats: dict[str, int] = {}
+        self.workers: dict[int, int] = {}  # tensor parallel rank -> pid (of a multiprocess engine)
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
@@ -67,7 +82,7 @@ class Engine:
 
     def wait_ready(self) -> None:
         try:
-            self._read(ENGINE_START_S)
+            self.workers = {int(rank): pid for rank, pid in self._read(ENGINE_START_S)["workers"].items()}
         except BaseException:
             self.proc.kill()
             self.close()
@@ -110,6 +125,13 @@ class Engine:
     def generate(self, *prompts: list[int] | tuple[list[int], str], timeout: float = 120) -> list[dict[str, Any]]:
         self.send(*prompts)
         return self.receive(timeout)
+
+    def generate_and_kill(self, prompt: list[int], rank: int, timeout: float = 120) -> list[int]:
+        """Generate one token of `prompt`, then SIGKILL worker `rank` at once (as it saves the prompt)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"kill_rank": rank, "token_ids": prompt}) + "\n")
+        self.proc.stdin.flush()
+        return list(self._read(timeout)["outputs"][0]["token_ids"])
 
     def output(self) -> str:
         if not self.log.closed:
@@ -297,9 +319,13 @@ def test_kvpool_killed_and_restarted(model_dir: str, reference: dict[str, list[i
             server.stop()
     assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
     log = engine.output()
-    for side in ("scheduler", "worker"):  # one warning per incident (killed, frozen) and side, one when it ends
-        assert log.count(f"kvpool unreachable ({side})") == 2, log
-        assert log.count(f"kvpool is back ({side})") == 2, log
+    # One warning per incident and side, one when it ends: the scheduler (which calls kvpool for every request)
+    # found it killed and frozen; the worker (which calls it only to load or save what the scheduler planned)
+    # found the new instance at its first save into it.
+    assert log.count("kvpool unreachable (scheduler)") == 2, log
+    assert log.count("kvpool is back (scheduler)") == 2, log
+    assert log.count("kvpool restarted (worker)") == 1 and log.count("kvpool is back (worker)") == 1, log
+    assert "kvpool unreachable (worker)" not in log, log
 
 
 def test_geometry_mismatch_is_refused(model_dir: str, tmp_path: Path) -> None:

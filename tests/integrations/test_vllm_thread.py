@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from service.integrations.vllm_thread import WorkerThread
+from service.integrations.vllm_thread import ConnectorThread
 
 
 def test_loads_run_before_queued_saves_and_saves_keep_their_order() -> None:
-    thread = WorkerThread(max_saves=8)
+    thread = ConnectorThread(max_saves=8)
     order: list[str] = []
     gate, started = threading.Event(), threading.Event()
     thread.submit(lambda: (started.set(), gate.wait()))  # occupies the thread
@@ -29,7 +29,7 @@ def test_loads_run_before_queued_saves_and_saves_keep_their_order() -> None:
 
 
 def test_run_returns_the_result_and_raises_what_the_job_raised() -> None:
-    thread = WorkerThread(max_saves=1)
+    thread = ConnectorThread(max_saves=1)
     assert thread.run(lambda: threading.current_thread().name) == "kvpool-connector"
     with pytest.raises(ZeroDivisionError):
         thread.run(lambda: 1 // 0)
@@ -38,7 +38,7 @@ def test_run_returns_the_result_and_raises_what_the_job_raised() -> None:
 
 
 def test_a_full_save_queue_makes_the_caller_wait_and_close_runs_what_is_queued() -> None:
-    thread = WorkerThread(max_saves=2)
+    thread = ConnectorThread(max_saves=2)
     gate, started = threading.Event(), threading.Event()
     done: list[int] = []
     assert thread.submit(lambda: (started.set(), gate.wait())) is False

@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service import __version__
 from service.config import Settings
+from service.pool import PoolState
 from service.server.app import create_app
 from service.server.metrics import Metrics, RequestMetricsMiddleware
-from service.server.state import PoolState
 from tests.conftest import REPO, Server, enc
 
 TINY_POOL = {"KVPOOL_NUM_PAGES": "6"}  # on top of conftest's SMALL_POOL (page_size 4, 2 layers)

@@ -1,11 +1,15 @@
 """A prefix workload over HTTP: prompts whose K/V is a function of (prompt, position), written
 where the pool lacks it, attended, and freed; the outputs compare bit for bit across passes/servers."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tests.conftest import dec, enc
+
+if TYPE_CHECKING:
+    from service.tiers.remote_tier import RemoteTier
+    from service.tiers.spill import SpillTier
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 16, 4  # tests.conftest.SMALL_POOL
 
@@ -47,3 +51,21 @@ def run_prompt(c: Any, seq_id: str, i: int, num_pages: int = 4, headers: Any = N
 
 def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+
+
+def spill_tier(state: Any) -> "SpillTier":
+    """The PoolState's spill tier (KVPOOL_SPILL), first in its cache's order."""
+    from service.tiers.spill import SpillTier
+
+    tier = state.cache.tiers[0]
+    assert isinstance(tier, SpillTier)
+    return tier
+
+
+def remote_tier(state: Any) -> "RemoteTier":
+    """The PoolState's remote tier (KVPOOL_REMOTE_URL), last in its cache's order."""
+    from service.tiers.remote_tier import RemoteTier
+
+    tier = state.cache.tier("remote")
+    assert isinstance(tier, RemoteTier)
+    return tier

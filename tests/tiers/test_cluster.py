@@ -1,4 +1,4 @@
-"""The shared tier on a real Redis Cluster (three redis-server primaries joined by redis-cli) and real
+"""The remote tier on a real Redis Cluster (three redis-server primaries joined by redis-cli) and real
 kvpool servers: sharing across instances to the bit (also over TLS), pages spread over the nodes, a
 poisoned entry rejected, a node killed and restarted mid-workload, a slot moved under a reader
 (-MOVED), and a key migrating away mid-resharding (-ASK)."""
@@ -12,7 +12,8 @@ import redis
 from service.config import Settings
 from service.core.hashing import root_hash, token_bytes
 from service.core.tier_index import chain_hashes
-from service.tiers.remote import RemoteStore, encode_value, page_key, value_prefix
+from service.tiers.entries import EntryFormat
+from service.tiers.remote import RemoteStore
 from tests.conftest import free_port
 from tests.tiers.conftest import RedisClusterServers
 from tests.tiers.helpers import PAGE, prompt, run_prompt, same_bits
@@ -50,8 +51,8 @@ def test_a_prefix_written_on_a_is_a_hit_on_b_over_the_cluster(
     toks = [token_bytes(prompt(3)[j * PAGE : (j + 1) * PAGE]) for j in range(4)]
     data = bytes(PAGE_NBYTES)
     store = redis_cluster.cluster()
-    store.set(page_key(GEOMETRY, hashes[0]), encode_value(value_prefix(GEOMETRY, hashes[0], toks[0]), data))
-    store.set(page_key(GEOMETRY, hashes[1]), encode_value(value_prefix(GEOMETRY, hashes[1], toks[2]), data))
+    store.set(EntryFormat(GEOMETRY).key(hashes[0]), EntryFormat(GEOMETRY).encode(hashes[0], toks[0], data))
+    store.set(EntryFormat(GEOMETRY).key(hashes[1]), EntryFormat(GEOMETRY).encode(hashes[1], toks[2], data))
     r = b.post("/v1/sequences", json={"token_ids": [*prompt(3), 7]})
     assert r.status_code == 201 and r.json()["cached_tokens"] == PAGE  # page 0 only
     assert metric(b, "kvpool_tier_rejected_total", "remote") == 1
@@ -97,6 +98,11 @@ def test_a_node_killed_mid_workload_and_restarted(start_server: Any, redis_clust
     assert "service/tiers/" not in server_a.output, server_a.output  # no traceback through the tiers
 
 
+def store_of(url: str) -> RemoteStore:
+    """A store client of 64-byte pages, as a pool of the default geometry would make it."""
+    return RemoteStore(url, 0.5, 3600, EntryFormat(Settings().geometry_tag), 64)
+
+
 def read_pages(store: RemoteStore, hashes: list[bytes], tokens: list[bytes], nbytes: int) -> list[bytes]:
     """What get_into brings in intact for these pages (into rows of an array), from the first."""
     rows = np.zeros((len(hashes), nbytes), dtype=np.uint8)
@@ -108,8 +114,8 @@ def test_a_moved_slot_is_not_loaded_counted_and_followed(redis_cluster: RedisClu
     """A reader whose slot map is stale gets -MOVED, to EXISTS (counting) or to GETEX (reading): that
     page is not loaded (the count or the read stops short), an error is counted, and the next call
     fetches the map again and finds the page."""
-    counter = RemoteStore(Settings(remote_url=redis_cluster.url), 64)
-    reader = RemoteStore(Settings(remote_url=redis_cluster.url), 64)
+    counter = store_of(redis_cluster.url)
+    reader = store_of(redis_cluster.url)
     try:
         tokens = token_bytes(prompt(5, num_pages=2))
         per_page = len(tokens) // 2
@@ -119,7 +125,7 @@ def test_a_moved_slot_is_not_loaded_counted_and_followed(redis_cluster: RedisClu
         counter.put(hashes[:1], toks[:1], pages[:1])
         assert counter.count(hashes) == 1 and reader.count(hashes) == 1  # their slot maps fetched
         # Page 1's slot (empty so far) handed to another node, then page 1 written there.
-        key = page_key(counter.geometry, hashes[1])
+        key = EntryFormat(counter.entries.geometry).key(hashes[1])
         slot = redis.crc.key_slot(key.encode())
         cluster = redis_cluster.cluster()
         owner = cluster.get_node_from_key(key).port
@@ -127,7 +133,7 @@ def test_a_moved_slot_is_not_loaded_counted_and_followed(redis_cluster: RedisClu
         target_id = redis_cluster.client(target).execute_command("CLUSTER MYID")
         for port in [target, *(p for p in redis_cluster.ports if p != target)]:
             redis_cluster.client(port).execute_command("CLUSTER SETSLOT", slot, "NODE", target_id)
-        data = encode_value(value_prefix(counter.geometry, hashes[1], toks[1]), pages[1].tobytes())
+        data = EntryFormat(counter.entries.geometry).encode(hashes[1], toks[1], pages[1].tobytes())
         redis_cluster.client(target).set(key, data)
         assert counter.count(hashes) == 1 and counter.stats.errors == 1  # EXISTS -MOVED
         assert len(read_pages(reader, hashes, toks, 64)) == 1 and reader.stats.errors == 1  # GETEX -MOVED
@@ -158,15 +164,15 @@ def test_a_key_migrating_away_is_not_loaded_counted_and_found_once_moved(redis_c
     owner answers -ASK, to EXISTS (counting) and to GETEX (reading). The page is not counted or
     loaded (the reader does not follow ASK: the entry is in flight), an error is counted and the
     slot map fetched again; once the slot is handed over, the next call goes to the new owner."""
-    counter = RemoteStore(Settings(remote_url=redis_cluster.url), 64)
-    reader = RemoteStore(Settings(remote_url=redis_cluster.url), 64)
+    counter = store_of(redis_cluster.url)
+    reader = store_of(redis_cluster.url)
     try:
         tokens = token_bytes(prompt(6, num_pages=2))
         hashes, toks = counter.chain(root_hash(""), tokens, len(tokens) // 2, 0, 2)
         pages = np.arange(128, dtype=np.uint8).reshape(2, 64) ^ 0x5A
         counter.put(hashes, toks, pages)
         assert counter.count(hashes) == 2 and len(read_pages(reader, hashes, toks, 64)) == 2  # maps fetched
-        key = page_key(counter.geometry, hashes[1])
+        key = EntryFormat(counter.entries.geometry).key(hashes[1])
         slot = redis.crc.key_slot(key.encode())
         owner = redis_cluster.cluster().get_node_from_key(key).port
         target = next(p for p in redis_cluster.ports if p != owner)

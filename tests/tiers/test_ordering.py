@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from service.config import Settings
-from service.server.state import PoolState
-from tests.tiers.helpers import kv_of, prompt
+from service.pool import PoolState
+from service.tiers.disk import DiskTier
+from tests.tiers.helpers import kv_of, prompt, spill_tier
 
 SMALL = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=8, device="cpu", dtype="float32")
 
@@ -72,9 +73,8 @@ def test_evicted_then_overwritten_pages_spill_their_old_data(tier: str, tmp_path
         try:
             old, taken = await spill_prompt(state)
             assert set(old) <= set(taken)  # the prompt's pages were evicted and overwritten by "b"
-            assert state.tiers is not None and state.tiers.local is not None
-            assert len(state.tiers.local.index) == 4
-            await state.tiers.restore([*prompt(1), 7], "", "")
+            assert len(spill_tier(state).index) == 4
+            await state.cache.restore([*prompt(1), 7], "", "")
             seq = state.sequences.create("a2", [*prompt(1), 7])
             assert seq.cached_tokens == 16
             new = state.sequences.block_table(seq)
@@ -90,15 +90,14 @@ def test_a_failed_tier_read_restores_nothing(tmp_path: Any) -> None:
         state = make_state("disk", tmp_path)
         try:
             await spill_prompt(state)
-            tiers = state.tiers
-            assert tiers is not None and tiers.local is not None
-            disk = tiers.local
+            disk = spill_tier(state)
+            assert isinstance(disk, DiskTier)
             slot = sorted(disk.index.slots().values())[2]  # the third page's slot: its header names another
             os.pwrite(disk.fd, b"\xff", slot * 64 + 10)
             a = state.allocator
             cached = {p: a.page_name(p) for p in a.cached_pages()}
             assert len(cached) == 8
-            await tiers.restore([*prompt(1), 7], "", "")
+            await state.cache.restore([*prompt(1), 7], "", "")
             # The fresh pages went back free, uncommitted; the four cached pages their allocation
             # evicted are not lost: they went down to the tier.
             assert (a.num_used, a.num_cached, a.num_free) == (0, 4, 4)
@@ -147,8 +146,7 @@ def test_fp8_scales_and_mla_latents_come_back_bit_for_bit(tier: str, fmt: str, t
             assert not torch.equal(storage.blocks[torch.tensor(old)].view(torch.uint8), blocks.view(torch.uint8))
             seqs.free("b")
             await asyncio.sleep(0.05)
-            assert state.tiers is not None
-            await state.tiers.restore([*tokens, 7], "", "")
+            await state.cache.restore([*tokens, 7], "", "")
             new = seqs.block_table(seqs.create("a2", [*tokens, 7]))
             assert len(new) == 4
             got = storage.blocks[torch.tensor(new)]
@@ -167,8 +165,7 @@ def test_a_cancelled_restore_finishes_and_leaks_nothing(tmp_path: Any) -> None:
         state = make_state("disk", tmp_path)
         try:
             await spill_prompt(state)
-            assert state.tiers is not None
-            task = asyncio.get_running_loop().create_task(state.tiers.restore([*prompt(1), 7], "", ""))
+            task = asyncio.get_running_loop().create_task(state.cache.restore([*prompt(1), 7], "", ""))
             for _ in range(3):  # into its copies
                 await asyncio.sleep(0)
             task.cancel()  # the client went away

@@ -1,4 +1,4 @@
-"""POST /v1/prefix/match with the node's tier on, against a real `kvpool serve` (page 4, 16 pages):
+"""POST /v1/prefix/match with the spill tier on, against a real `kvpool serve` (page 4, 16 pages):
 it counts the pages the tier holds after the device's, agrees with the `cached_tokens` of the create
 that follows, and changes nothing (device counts, the tier's entries and LRU order)."""
 

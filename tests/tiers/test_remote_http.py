@@ -1,4 +1,4 @@
-"""The shared tier over HTTP, against a real redis-server and real kvpool servers: (a) sharing across
+"""The remote tier over HTTP, against a real redis-server and real kvpool servers: (a) sharing across
 instances, (c) the store killed and restarted, (d) poisoned entries, (e) tenants kept apart."""
 
 import os
@@ -10,7 +10,7 @@ import torch
 
 from service.core.hashing import root_hash, token_bytes
 from service.core.tier_index import chain_hashes
-from service.tiers.remote import encode_value, page_key, value_prefix
+from service.tiers.entries import EntryFormat
 from tests.tiers.conftest import RedisServer
 from tests.tiers.helpers import PAGE, prompt, run_prompt, same_bits
 from tests.tiers.test_spill_http import metric
@@ -33,7 +33,7 @@ def wait_for_keys(r: RedisServer, num: int, timeout: float = 20) -> None:
 
 def keys_of(tenant: str, i: int, num_pages: int = 4) -> list[str]:
     hashes = chain_hashes(root_hash(tenant), token_bytes(prompt(i, num_pages)), PAGE * 8)
-    return [page_key(GEOMETRY, h) for h in hashes]
+    return [EntryFormat(GEOMETRY).key(h) for h in hashes]
 
 
 def test_a_prefix_written_on_a_is_a_hit_on_b_bit_for_bit(start_server: Any, redis_server: RedisServer) -> None:
@@ -90,23 +90,23 @@ def test_poisoned_entries_are_never_loaded(start_server: Any, redis_server: Redi
     toks = [token_bytes(prompt(3)[j * PAGE : (j + 1) * PAGE]) for j in range(4)]
     data = torch.ones(PAGE_NBYTES, dtype=torch.uint8).numpy().tobytes()
     # Page 0 right; page 1 under its key but with another page's token ids.
-    store.set(page_key(GEOMETRY, hashes[0]), encode_value(value_prefix(GEOMETRY, hashes[0], toks[0]), data))
-    store.set(page_key(GEOMETRY, hashes[1]), encode_value(value_prefix(GEOMETRY, hashes[1], toks[2]), data))
+    store.set(EntryFormat(GEOMETRY).key(hashes[0]), EntryFormat(GEOMETRY).encode(hashes[0], toks[0], data))
+    store.set(EntryFormat(GEOMETRY).key(hashes[1]), EntryFormat(GEOMETRY).encode(hashes[1], toks[2], data))
     b = start_server(remote_env(redis_server)).client
     r = b.post("/v1/sequences", json={"seq_id": "p", "token_ids": [*prompt(3), 7]})
     assert r.json()["cached_tokens"] == PAGE  # page 0 only
     assert metric(b, "kvpool_tier_rejected_total", "remote") == 1
     b.delete("/v1/sequences/p")
     # Page 1 right but one byte flipped after the checksum was taken.
-    good = bytearray(encode_value(value_prefix(GEOMETRY, hashes[1], toks[1]), data))
+    good = bytearray(EntryFormat(GEOMETRY).encode(hashes[1], toks[1], data))
     good[-10] ^= 1
-    store.set(page_key(GEOMETRY, hashes[1]), bytes(good))
+    store.set(EntryFormat(GEOMETRY).key(hashes[1]), bytes(good))
     c = start_server(remote_env(redis_server)).client
     assert c.post("/v1/sequences", json={"token_ids": [*prompt(3), 7]}).json()["cached_tokens"] == PAGE
     assert metric(c, "kvpool_tier_rejected_total", "remote") == 1
     # Page 1 under its key, intact, but from a pool of another geometry (a value of the same size).
     other = "L2.H2.D16.P4.float3X"
-    store.set(page_key(GEOMETRY, hashes[1]), encode_value(value_prefix(other, hashes[1], toks[1]), data))
+    store.set(EntryFormat(GEOMETRY).key(hashes[1]), EntryFormat(other).encode(hashes[1], toks[1], data))
     c.post("/v1/sequences", json={"seq_id": "q", "token_ids": [*prompt(3), 7]})
     assert c.get("/v1/sequences/q").json()["cached_tokens"] == PAGE
     assert metric(c, "kvpool_tier_rejected_total", "remote") == 2

@@ -9,7 +9,7 @@ import ssl
 import numpy as np
 import pytest
 
-from service.tiers.resp import MISSING, RespConnection
+from service.tiers.resp import MISSING, WRONG_TYPE, RespConnection
 from tests.tiers.conftest import RedisServer, RedisTLSServer
 
 
@@ -53,6 +53,11 @@ def test_a_value_into_parts_in_turn_and_exists_as_integers(redis_server: RedisSe
         fresh = [memoryview(bytearray(16)), memoryview(bytearray(69_976)), memoryview(bytearray(8))]
         assert reader.read_value(fresh) == 10 and not any(any(p) for p in fresh)  # wrong size: not kept
         assert reader.read_value(fresh) == MISSING
+        redis_server.client().set("empty", b"")
+        redis_server.client().rpush("list", b"x")
+        reader.send_getex([b"empty", b"list", b"v"], 100)  # bad entries, answered; the stream goes on
+        assert [reader.read_value(fresh), reader.read_value(fresh)] == [0, WRONG_TYPE]
+        assert not any(any(p) for p in fresh) and reader.read_value(parts) == 70_000
         reader.send_getex([b"v"], 100)
         with pytest.raises(Exception, match="integer"):
             reader.read_int()  # a value where an integer was due: the stream is closed

@@ -19,6 +19,7 @@ from service.config import Settings, describe_errors
         ({"remote_url": "redis+cluster://a:1?ssl_ca_certs=x"}, "takes no options but ssl_ca_certs"),
         ({"spill": "host", "spill_bytes": 100}, "holds no page"),
         ({"spill": "tape"}, "KVPOOL_SPILL"),
+        ({"remote_url": "redis://a:1", "remote_secret": "too short"}, "KVPOOL_REMOTE_SECRET must be 16 characters"),
     ],
 )
 def test_bad_tier_settings_are_refused(env: dict[str, Any], says: str) -> None:

@@ -1,4 +1,4 @@
-"""The node's tier over HTTP: a workload four times the device pool gets its evicted prefixes back
+"""The spill tier over HTTP: a workload four times the device pool gets its evicted prefixes back
 from host memory or a disk file, and attention over restored pages equals the original's bit for bit."""
 
 import resource

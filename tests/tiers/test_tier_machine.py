@@ -2,7 +2,7 @@
 every page is in exactly one place per tier, the counts add up, every page the device or the tier
 holds carries the K/V of its own prefix, and a restore whose read fails restores nothing. The KV
 events (device and tier) build an index equal to what the device and the tier hold, and what
-POST /v1/prefix/match counts (Tiers.num_restorable after the device's hits) is what the create gets.
+POST /v1/prefix/match counts (PrefixCache.match: the device's hits, then the tiers' peeks) is what the create gets.
 
 A page's K/V is a function of its chained hash (its whole prefix), as a model's would be, so a page
 restored from the wrong slot, or spilled after being overwritten, shows up as wrong data.
@@ -24,8 +24,10 @@ from service.core.hashing import root_hash, token_bytes
 from service.core.tier_index import chain_hashes
 from service.events.listener import EventListener, EventMaker
 from service.events.wire import BlockRemoved, BlockStored
-from service.server.state import PoolState
-from service.tiers.local import DiskTier, HostTier
+from service.pool import PoolState
+from service.tiers.disk import DiskTier
+from service.tiers.spill import HostTier
+from tests.tiers.helpers import spill_tier
 
 PAGE, PAGES, SLOTS = 2, 6, 5
 GEOMETRY = dict(num_layers=1, num_kv_heads=1, head_dim=4, page_size=PAGE, num_pages=PAGES, device="cpu")
@@ -59,14 +61,13 @@ class TierMachine(RuleBasedStateMachine):
         s = Settings(**GEOMETRY, spill=self.tier, spill_bytes=nbytes, spill_path=self.dir.name)
         self.loop = asyncio.new_event_loop()
         self.state = self.loop.run_until_complete(self._make(s))
-        assert self.state.tiers is not None and self.state.tiers.local is not None
-        self.local: HostTier | DiskTier = self.state.tiers.local
+        self.local = spill_tier(self.state)
         self.held: list[str] = []
         self.count = 0
         # KV events as PoolState wires them: the device's listener first, then the tier's.
         self.events: list[Any] = []
         self.state.allocator.listeners.insert(0, EventListener(self.events.append))
-        self.state.tiers.events = EventListener(self.events.append)
+        self.local.events = EventListener(self.events.append)
         self.make = EventMaker(PAGE, "GPU", "bytes")
         self.seen: dict[str, set[Any]] = {"GPU": set(), self.local.medium: set()}
 
@@ -86,23 +87,26 @@ class TierMachine(RuleBasedStateMachine):
             await asyncio.sleep(0.002)
 
     async def prompt(self, tokens: list[int], hold: bool, fail: bool) -> None:
-        st_, tiers = self.state, self.state.tiers
-        assert tiers is not None
+        st_, cache = self.state, self.state.cache
         device_hits = len(st_.sequences.prefixes.match(tokens, "")[0]) if len(tokens) > 0 else 0
         local = self.local
         local.incident.retry_at = 0.0  # no back-off between rules
         if fail:  # the tier's next read fails: on the engine (host) or on the IO thread (disk)
             if isinstance(local, HostTier):
-                local.read_job = lambda *args: failing  # type: ignore[method-assign]
+
+                async def fail_on_the_engine(*args: Any) -> None:
+                    await st_.engine.submit(failing)
+
+                local._read = fail_on_the_engine  # type: ignore[method-assign]
             else:
+                assert isinstance(local, DiskTier)
                 local.read = lambda *args: local.io.submit(failing)  # type: ignore[method-assign]
         used_before = st_.allocator.num_used
-        hits, last, _ = st_.sequences.prefixes.match(tokens, "")
-        expected = len(hits) + tiers.num_restorable(tokens, hits, last)  # what POST /v1/prefix/match says
+        expected = sum(cache.match(tokens, "", ""))  # what POST /v1/prefix/match says
         evictions = local.index.num_evictions
-        await tiers.restore(tokens, "", "")
+        await cache.restore(tokens, "", "")
         if fail:
-            vars(local).pop("read_job", None)
+            vars(local).pop("_read", None)
             vars(local).pop("read", None)
             assert st_.allocator.num_used == used_before  # the fresh pages went back
         self.count += 1
@@ -190,6 +194,7 @@ class TierMachine(RuleBasedStateMachine):
                 raw = self.local.store[slot]
             else:
                 local = self.local
+                assert isinstance(local, DiskTier)
                 rec = os.pread(local.fd, local.page_nbytes, local.data_offset + slot * local.page_nbytes)
                 raw = torch.from_numpy(np.frombuffer(rec, dtype=np.uint8).copy())
             assert torch.equal(raw.view(torch.float32).reshape(page_kv(h).shape), page_kv(h)), f"slot {slot}"

@@ -1,5 +1,5 @@
 """The tiers under a CUDA pool (skipped without a GPU): spills to pinned host memory and restores from
-it, and the shared tier's restore through host rows and one engine copy, each bit for bit with the
+it, and the remote tier's restore through host rows and one engine copy, each bit for bit with the
 attention over the pages first computed."""
 
 from typing import Any

@@ -9,12 +9,13 @@ from fastapi import Request
 from starlette.responses import Response
 
 from service.core.errors import InvalidRequest, NonFiniteOutput
+from service.pool import PoolState
 from service.server.bodies import read_json
 from service.server.kv_input import all_finite, decode_finite, decode_kv_input, kv_nbytes
 from service.server.leases import renew_named_in, renewed_if_refused
 from service.server.metrics import Metrics, MetricsDep
 from service.server.routes.table import RouteTable
-from service.server.state import PoolState, StateDep, TenantDep, json_response
+from service.server.state import StateDep, TenantDep, json_response
 from service.wire.models import AttendOut, AttendRequest, error_responses
 from service.wire.tensors import encode
 

@@ -39,7 +39,7 @@ async def pool_info(pool: StateDep) -> Response:
             "core_compiled": service.core.is_compiled(),
             "max_attend_tokens": pool.max_attend_tokens,
             **format_fields(s),
-            "tiers": pool.tiers.report() if pool.tiers is not None else [],
+            "tiers": pool.cache.report(),
         }
     )
 

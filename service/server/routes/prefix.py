@@ -4,9 +4,10 @@ from fastapi import Request
 from starlette.responses import Response
 
 from service.core.errors import Forbidden
+from service.pool import PoolState
 from service.server.bodies import read_json
 from service.server.routes.table import RouteTable
-from service.server.state import PoolState, StateDep, TenantDep, json_response
+from service.server.state import StateDep, TenantDep, json_response
 from service.wire.models import CacheResetOut, PrefixMatch, PrefixMatchOut, error_responses
 
 routes = RouteTable(tags=["prefix cache"])
@@ -18,17 +19,16 @@ MATCH_ERRORS = error_responses(401, 413, 422)
 @routes.post("/v1/prefix/match", body=PrefixMatch, response_model=PrefixMatchOut, responses=MATCH_ERRORS)
 async def match_prefix(request: Request, pool: StateDep, tenant: TenantDep) -> Response:
     """How many leading tokens of a prompt the caller's tenant would get from the prefix cache now,
-    the node's tier (host/disk) included; allocates nothing, pins nothing, moves nothing in the
+    the spill tier (host/disk) included; allocates nothing, pins nothing, moves nothing in the
     eviction order of the device or the tier."""
     body = await read_json(request, PrefixMatch)
-    hits, last, _ = pool.sequences.prefixes.match(body.token_ids, tenant, body.cache_salt or "")
-    tier = pool.tiers.num_restorable(body.token_ids, hits, last) if pool.tiers is not None else 0
-    num_pages = len(hits) + tier
+    device, tier = pool.cache.match(body.token_ids, tenant, body.cache_salt or "")
+    num_pages = device + tier
     return json_response(
         {
             "cached_tokens": num_pages * pool.settings.page_size,
             "num_pages": num_pages,
-            "device_pages": len(hits),
+            "device_pages": device,
             "tier_pages": tier,
         }
     )

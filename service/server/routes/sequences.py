@@ -1,11 +1,13 @@
 """Sequences: allocate, inspect, append, fork, free."""
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 from fastapi import Path, Query, Request
 from starlette.responses import Response
 
+from service.core.sequences import Sequence
+from service.pool import PoolState
 from service.server.bodies import read_json, read_optional_json
 from service.server.kv_input import decode_kv_input, kv_nbytes
 from service.server.leases import renewed_if_refused
@@ -27,7 +29,24 @@ SeqIdPath = Annotated[str, Path(pattern=SEQ_ID_PATTERN)]
 # ?instance=true: the answer also names the server's instance_id (a client that maps the pool checks with it
 # that the pages it reads or writes are this server's, without a second call to /v1/pool).
 InstanceQuery = Annotated[bool, Query(description="also answer the server's instance_id")]
+# ?commit=false: the pages of the sequence not committed yet are released uncommitted (a client that could not
+# write them all says so, and no prefix ever hits them).
+CommitQuery = Annotated[bool, Query(description="commit the sequence's full pages not committed yet")]
 ERRORS = error_responses(401, 404, 409, 413, 422, 429, 507)
+
+
+def sequence_body(pool: PoolState, seq: Sequence) -> dict[str, Any]:
+    """A sequence as SequenceOut describes it."""
+    body = {
+        "seq_id": seq.seq_id,
+        "length": pool.sequences.length(seq),
+        "block_table": pool.sequences.block_table(seq),
+        "cached_tokens": seq.cached_tokens,
+    }
+    if seq.ttl_s:  # leased sequences only, so bodies without a lease keep their shape
+        body["ttl_s"] = seq.ttl_s
+        body["expires_in_s"] = pool.sequences.expires_in(seq, pool.sequences.clock())
+    return body
 
 
 @routes.post("/v1/sequences", body=CreateSequence, status_code=201, response_model=SequenceOut, responses=ERRORS)
@@ -35,10 +54,8 @@ async def create_sequence(request: Request, pool: StateDep, tenant: TenantDep) -
     """Allocate a sequence; with token_ids it starts on the longest cached prefix of full pages."""
     body = await read_json(request, CreateSequence)
     ttl_s = pool.settings.default_ttl_s if body.ttl_s is None else body.ttl_s
-    if pool.tiers is not None and body.token_ids:  # pages the device lost, back from the tiers first
-        await pool.tiers.restore(body.token_ids, tenant, body.cache_salt or "")
-    seq = pool.sequences.create(body.seq_id, body.token_ids, tenant, ttl_s, body.cache_salt or "")
-    return json_response(pool.sequence_body(seq), 201)
+    seq = await pool.create_sequence(body.seq_id, body.token_ids, tenant, ttl_s, body.cache_salt or "")
+    return json_response(sequence_body(pool, seq), 201)
 
 
 @routes.get("/v1/sequences/{seq_id}", response_model=SequenceOut, responses=ERRORS)
@@ -46,7 +63,7 @@ async def get_sequence(
     seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep, instance: InstanceQuery = False
 ) -> Response:
     """Length and block table of a sequence."""
-    body = pool.sequence_body(pool.sequences.get(seq_id, tenant))
+    body = sequence_body(pool, pool.sequences.get(seq_id, tenant))
     return json_response({**body, "instance_id": pool.instance_id} if instance else body)
 
 
@@ -67,7 +84,7 @@ async def append_tokens(
             pool.engine.write(kv[0], kv[1], torch.from_numpy(ext.slots))
 
     # The answer describes the sequence as this append left it, whatever requests run while the device works.
-    answer = {**pool.sequence_body(seq), "slots": ext.slots.tolist()}
+    answer = {**sequence_body(pool, seq), "slots": ext.slots.tolist()}
     if instance:
         answer["instance_id"] = pool.instance_id
     if ext.copies or kv is not None:  # submitted with no await since the bookkeeping: device work keeps its order
@@ -89,11 +106,12 @@ async def fork_sequence(seq_id: SeqIdPath, request: Request, pool: StateDep, ten
     with renewed_if_refused(pool, tenant, (seq_id,)):
         body = await read_optional_json(request, ForkSequence)
         child = pool.sequences.fork(seq_id, body.seq_id if body else None, tenant)
-    return json_response(pool.sequence_body(child), 201)
+    return json_response(sequence_body(pool, child), 201)
 
 
 @routes.delete("/v1/sequences/{seq_id}", response_model=FreeOut, responses=ERRORS)
-async def free_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep) -> Response:
-    """Free a sequence; its full written pages stay cached for prefix reuse."""
-    freed = pool.sequences.free(seq_id, tenant)
+async def free_sequence(seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep, commit: CommitQuery = True) -> Response:
+    """Free a sequence; its full written pages stay cached for prefix reuse (commit=false: only those
+    committed before)."""
+    freed = pool.sequences.free(seq_id, tenant, commit)
     return json_response({"seq_id": seq_id, "freed_pages": freed})

@@ -7,10 +7,11 @@ from fastapi import Request
 from starlette.responses import Response
 
 from service.core.lut_formats import flash_attn_tables, flashinfer_tables
+from service.pool import PoolState
 from service.server.bodies import read_json
 from service.server.leases import renew_named_in
 from service.server.routes.table import RouteTable
-from service.server.state import PoolState, StateDep, TenantDep, json_response
+from service.server.state import StateDep, TenantDep, json_response
 from service.wire.models import StepOut, StepRequest, error_responses
 from service.wire.tensors import encode_array
 

@@ -1,12 +1,13 @@
-"""The shared tier's two sides on this node: a background writer of committed pages, and lookups.
+"""The remote tier (KVPOOL_REMOTE_URL) on this node: a background writer of committed pages, and lookups.
 
-Writes: the allocator's stored() queues newly committed pages here (bounded: a full queue skips and
+Written at commit, not at eviction: a prefix computed here is of use to the other nodes at once.
+Writes: committed() queues newly computed pages here (bounded: a full queue skips and
 counts). A task on the loop takes batches of about 8 MiB, keeps the pages still registered under
 the same hash (evicted ones are no longer those pages), gathers them through the engine (after the
 write that committed them, submitted first) and sends them from a thread (RemoteStore.put).
-Lookups run RemoteStore.count, then RemoteStore.get_into, on another thread, so a slow store never
-blocks the loop; a failure is counted, logged once per incident, and the tier is skipped for a second
-(Incident).
+Lookups run RemoteStore.count (lookup()), then RemoteStore.get_into (load_into()), on another
+thread, so a slow store never blocks the loop; a failure is counted, logged once per incident, and the
+tier is skipped for a second (Incident).
 """
 
 import asyncio
@@ -15,26 +16,35 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from service.core.allocator import PageAllocator
-from service.engine.engine import Engine
+from service.engine.engine import DeviceEngine
 from service.tiers.pages import PageCodec
-from service.tiers.remote import Chain, RemoteStore
+from service.tiers.remote import RemoteStore
 from service.tiers.stats import Incident
+from service.tiers.tier import Found, PromptChain
 
 log = logging.getLogger("kvpool.tiers")
 WRITE_BATCH_BYTES = 8 << 20  # per remote write (one gather, one pipelined round trip)
 
 
-class SharedTier:
+class RemoteTier:
     name = "remote"
 
-    def __init__(self, store: RemoteStore, engine: Engine, allocator: PageAllocator, codec: PageCodec, queue: int):
-        self.store, self.engine, self.allocator, self.codec = store, engine, allocator, codec
+    def __init__(
+        self,
+        store: RemoteStore,
+        engine: DeviceEngine,
+        codec: PageCodec,
+        page_name: Callable[[int], bytes | None],
+        queue: int,
+    ) -> None:
+        """`page_name`: the hash a device page is registered under now (the allocator's page_name)."""
+        self.store, self.engine, self.codec, self.page_name = store, engine, codec, page_name
         self.stats = store.stats
         self.incident = Incident(self.name, log)
         self._queue: collections.deque[tuple[int, bytes, bytes]] = collections.deque()
@@ -53,17 +63,24 @@ class SharedTier:
         return row | {"up": not self.incident.down, "queued_pages": len(self._queue)}
 
     # -- writes -----------------------------------------------------------------------------------
-    def queue(self, pages: np.ndarray, hashes: np.ndarray, token_bytes: bytes, token_nbytes: int) -> None:
-        """Newly committed pages (the allocator's stored(); on the loop): queue them, or skip them all."""
-        n = len(pages)
-        if len(self._queue) + n > self._queue_max:
-            self.stats.skipped += n
-            return
-        for i, page in enumerate(pages.tolist()):
-            self._queue.append((page, hashes[i].tobytes(), token_bytes[i * token_nbytes : (i + 1) * token_nbytes]))
-        self._wake.set()
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+    def evicted(self, pages: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
+        """(The store has what it was given at commit.)"""
+
+    def committed(self, pages: np.ndarray, hashes: np.ndarray, token_bytes: bytes) -> None:
+        """Newly computed pages (on the loop, inside the allocator's call): queue them, or skip them all."""
+        try:  # (an exception would leave the allocator half-changed: none escapes)
+            n = len(pages)
+            if len(self._queue) + n > self._queue_max:
+                self.stats.skipped += n
+                return
+            size = len(token_bytes) // n
+            for i, page in enumerate(pages.tolist()):
+                self._queue.append((page, hashes[i].tobytes(), token_bytes[i * size : (i + 1) * size]))
+            self._wake.set()
+            if self._writer is None:
+                self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+        except Exception as exc:  # no running loop (a tool driving the core)
+            self.incident.failed(self.stats, exc)
 
     async def _write_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -76,7 +93,7 @@ class SharedTier:
                     self.stats.skipped += len(batch)
                     continue
                 # Pages evicted since their commit (and maybe rewritten) are no longer those pages.
-                live = [b for b in batch if self.allocator.page_name(b[0]) == b[1]]
+                live = [b for b in batch if self.page_name(b[0]) == b[1]]
                 if not live:
                     continue
                 pages, hashes, tokens = [b[0] for b in live], [b[1] for b in live], [b[2] for b in live]
@@ -93,33 +110,38 @@ class SharedTier:
         return self.codec.gather(pages).numpy()
 
     # -- lookups ----------------------------------------------------------------------------------
-    async def count(self, last: bytes, rest: bytes, page_nbytes: int, skip: int, limit: int) -> Chain:
-        """The hashes and token bytes of the pages of `rest` (token bytes after the page hashed `last`)
-        from page `skip` on that the store holds, in order, up to `limit` pages in all ([] if the tier
-        is failing): what a restore allocates pages for and then reads (read_into)."""
-        if skip >= limit or not self.incident.usable():
-            return [], []
+    def peek(self, chain: PromptChain, start: int, limit: int) -> int:
+        """0: a round trip to the store per POST /v1/prefix/match, where the route costs microseconds."""
+        return 0
 
-        def count() -> Chain:
-            hashes, tokens = self.store.chain(last, rest, page_nbytes, skip, limit)
+    async def lookup(self, chain: PromptChain, start: int, limit: int) -> Found:
+        """The pages start.. of `chain` the store holds, in order, up to `limit` in all ([] if the tier
+        is failing): what a restore allocates pages for and then reads (load_into)."""
+        if start >= limit or not self.incident.usable():
+            return []
+
+        def count() -> Found:  # (on the read thread: the chain's hashes and the round trips)
+            hashes = chain.hashes(limit)[start:]
             num = self.store.count(hashes)
-            return hashes[:num], tokens[:num]
+            return [(h, chain.tokens(start + i)) for i, h in enumerate(hashes[:num])]
 
         try:
-            hashes, tokens = await asyncio.get_running_loop().run_in_executor(self._read, count)
+            found = await asyncio.get_running_loop().run_in_executor(self._read, count)
         except Exception as exc:
             self.incident.failed(self.stats, exc)
-            return [], []
+            return []
         self.incident.succeeded()
-        if not hashes:
+        if not found:
             self.stats.misses += 1
-        return hashes, tokens
+        return found
 
-    async def read_into(self, hashes: list[bytes], tokens: list[bytes], pages: list[int]) -> int:
-        """The entries `hashes` (from count()) into `pages`, fresh uncommitted pool pages; returns how
+    async def load_into(self, found: Found, pages: list[int]) -> int:
+        """The entries `found` (by lookup) into `pages`, fresh uncommitted pool pages; returns how
         many, from the first, came in intact (0 if the read failed: counted). On a CPU pool each value
         is received straight into its page, once every job submitted before (their old owners' writes,
         the spills of what they held) has run; elsewhere into host rows, then one engine copy."""
+        hashes, tokens = [h for h, _ in found[: len(pages)]], [t for _, t in found[: len(pages)]]
+        pages = pages[: len(hashes)]
         try:
             if self.codec.on_host:
                 await self.engine.submit(lambda: None)

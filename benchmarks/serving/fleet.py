@@ -1,0 +1,169 @@
+"""The fleet's processes: kvpool servers, vLLM OpenAI servers, redis-server, Dynamo's KV indexer, routers.
+
+Each runs in its own session (process group) with its log in the run's directory, is started by this
+module and stopped by it (SIGINT, then SIGKILL of its group after a grace period), also when the
+benchmark fails: `Fleet` is a context manager. Every address is 127.0.0.1 (the benchmark runs in a
+network namespace of its own where it can: `__main__.py`).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_NAME = "serving-llama"
+BLOCK_SIZE = 32  # vLLM's CPU attention: a multiple of 32
+PAGE_SIZE = 16  # kvpool's page: its default; the indexer's block_size
+# glibc's malloc thresholds fixed, as benchmarks/vllm_connector.py runs every engine (see its FIXED_MALLOC).
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Service:
+    name: str
+    cmd: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    health: str | None = None  # a URL answering 200 once the service is ready
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "Service":
+        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **self.env}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.proc
+            if proc is None:  # stopped meanwhile (the benchmark is stopping)
+                raise RuntimeError(f"{self.name} was stopped before it was ready")
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({proc.returncode}) before it was ready: see {self.log}")
+            if self.health is None:
+                return
+            try:
+                if httpx.get(self.health, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f} s: see {self.log}")
+
+    def stop(self, grace_s: float = 20) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGINT)  # its own process group: the server and the children it started
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def kvpool_service(
+    run_dir: Path, name: str, model: Path, num_pages: int, remote_url: str = "", events_port: int = 0
+) -> Service:
+    port = free_port()
+    env: dict[str, str] = {}
+    if remote_url:
+        env["KVPOOL_REMOTE_URL"] = remote_url
+    if events_port:
+        # Bound (a wildcard): the indexer connects. Only loopback exists in the benchmark's network namespace.
+        # Dynamo's indexer reads 64-bit block hashes only (README: Cache-aware routing).
+        env |= {"KVPOOL_KV_EVENTS_ENDPOINT": f"tcp://*:{events_port}", "KVPOOL_KV_EVENTS_HASH_FORMAT": "int"}
+    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--model", str(model), "--num-pages", str(num_pages), "--page-size", str(PAGE_SIZE)]
+    return Service(name, cmd, run_dir / f"{name}.log", env, f"http://127.0.0.1:{port}/healthz")
+
+
+def vllm_service(
+    run_dir: Path, name: str, model: Path, kv_cache_bytes: int, max_len: int, kvpool_url: str, core: int
+) -> Service:
+    """A vLLM OpenAI server whose compute threads are bound to one core (`core`): two replicas on two cores
+    are two devices, rather than two sets of spinning OpenMP threads taking turns on both."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    cmd += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    cmd += ["--block-size", str(BLOCK_SIZE), "--max-model-len", str(max_len), "--dtype", "float32"]
+    cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager", "--enable-prefix-caching"]
+    cmd += ["--uvicorn-log-level", "warning"]
+    if kvpool_url:
+        transfer = {
+            "kv_connector": "KVPoolConnector", "kv_connector_module_path": "service.integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"kvpool_url": kvpool_url},
+        }  # fmt: skip
+        cmd += ["--kv-transfer-config", json.dumps(transfer)]
+    # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache between runs.
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), **FIXED_MALLOC}
+    return Service(name, cmd, run_dir / f"{name}.log", env, f"http://127.0.0.1:{port}/health")
+
+
+def redis_service(run_dir: Path, maxmemory: int) -> Service:
+    port = free_port()
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    cmd += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"]
+    return Service("redis", cmd, run_dir / "redis.log")
+
+
+def indexer_service(run_dir: Path) -> Service:
+    port = free_port()
+    cmd = [sys.executable, "-m", "dynamo.indexer", "--port", str(port), "--threads", "1"]
+    return Service("indexer", cmd, run_dir / "indexer.log", {}, f"http://127.0.0.1:{port}/health")
+
+
+def router_service(run_dir: Path, name: str, backends: list[str], policy: str, **options: Any) -> Service:
+    port = free_port()
+    cmd = [sys.executable, "-m", "benchmarks.serving.router", "--port", str(port), "--policy", policy]
+    cmd += ["--backends", ",".join(backends), "--log", str(run_dir / f"{name}.requests.jsonl")]
+    for key, value in options.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return Service(name, cmd, run_dir / f"{name}.log", {}, f"http://127.0.0.1:{port}/router/health")
+
+
+def url_of(service: Service) -> str:
+    """The service's base URL, from its --port."""
+    return f"http://127.0.0.1:{service.cmd[service.cmd.index('--port') + 1]}"
+
+
+class Fleet:
+    """Services started together and stopped together, in reverse order (also when the body raises)."""
+
+    def __init__(self) -> None:
+        self.services: list[Service] = []
+
+    def start(self, services: list[Service], timeout_s: float) -> None:
+        for service in services:
+            self.services.append(service.start())
+        for service in services:
+            service.wait_ready(timeout_s)
+
+    def stop(self, services: list[Service] | None = None) -> None:
+        for service in reversed(services if services is not None else list(self.services)):
+            service.stop()
+            self.services.remove(service)
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

