@@ -84,7 +84,7 @@ def test_fp8_and_mla_pools_on_the_cpu_run_their_references_as_backend_torch(
 
 def test_the_cpu_backend_refuses_a_pool_on_another_device(storage: Storage) -> None:
     class CudaStorage:  # what DeviceEngine reads of a CUDA pool's storage, before touching any tensor
-        blocks, scales, mla = storage.blocks, None, False
+        blocks, scales, mla, dtype = storage.blocks, None, False, storage.dtype
         device = torch.device("cuda", 0)
 
     with pytest.raises(RuntimeError, match="'cpu' runs on a CPU pool, not on cuda:0"):
