@@ -421,8 +421,9 @@ def main() -> None:
     report(args, rounds, hits, alone_result, first, fresh)
 
 
-def start_kvpool(model: str, num_pages: int) -> tuple[subprocess.Popen[bytes], str]:
-    """`kvpool serve --model` on the CPU on a port of its own, once it answers /readyz; (process, url)."""
+def start_kvpool(model: str, num_pages: int, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """`kvpool serve --model` on the CPU on a port of its own (more settings in `env`), once it answers
+    /readyz; (process, url)."""
     import httpx
 
     port = 18000 + os.getpid() % 1000
@@ -430,15 +431,19 @@ def start_kvpool(model: str, num_pages: int) -> tuple[subprocess.Popen[bytes], s
     server = subprocess.Popen(
         [sys.executable, "-m", "service", "serve", "--model", model, "--port", str(port), "--device", "cpu",
          "--num-pages", str(num_pages), "--log-level", "warning"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
     )  # fmt: skip
     for _ in range(300):
         try:
             if httpx.get(f"{url}/readyz").status_code == 200:
-                break
+                return server, url
         except httpx.TransportError:
-            time.sleep(0.2)
-    return server, url
+            pass
+        if server.poll() is not None:
+            break
+        time.sleep(0.2)
+    server.kill()
+    raise RuntimeError(f"kvpool serve at {url} did not become ready")
 
 
 def ms(values: list[float]) -> str:

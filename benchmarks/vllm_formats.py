@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from benchmarks.pd_proxy import complete
-from benchmarks.vllm_connector import FIXED_MALLOC, REPO, Engine, make_model, prompts
+from benchmarks.vllm_connector import FIXED_MALLOC, REPO, Engine, make_model, prompts, start_kvpool
 
 PAGE = 16
 
@@ -49,18 +49,6 @@ def make_mla_model(path: Path, layers: int, hidden: int) -> None:
     )  # fmt: skip
     model: Any = DeepseekV2ForCausalLM(DeepseekV2Config(**shape))
     model.to(torch.bfloat16).save_pretrained(path)
-
-
-def start_kvpool(model: str, pages: int, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
-    port = 18000 + os.getpid() % 1000
-    server = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--model", model, "--port", str(port), "--device", "cpu",
-         "--num-pages", str(pages), "--log-level", "warning"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(f"{url}/readyz", server)
-    return server, url
 
 
 def wait_ready(url: str, proc: subprocess.Popen[Any], timeout: float = 600) -> None:
