@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import ragged_output
+from kernels.decode import Launch, decode_launch, pick_num_splits
 from kernels.options import AttendOptions, attend_options
 
 LOG2E = 1.4426950408889634
@@ -152,6 +153,10 @@ def paged_attention_fp8(
     max_q_len: int | None = None,
     block_n: int = 32,
     out: torch.Tensor | None = None,
+    decode_block_n: int | None = 128,  # an H200 (2026-11-27, graph replay, B 64 x 4k): 314 us, 400 at 64
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    fp8_as_f16: bool = False,
     **options: Unpack[AttendOptions],
 ) -> torch.Tensor:
     """Causal paged GQA attention. q: [T, Hq, D] -> [T, Hq, D] in q's dtype.
@@ -160,6 +165,9 @@ def paged_attention_fp8(
     16/32-bit pool with scales None. lookup_table: int [B, cols]; cache_lengths: int [B];
     query_start_loc: int [B + 1] (on the device); max_q_len: the longest q_len (computed from
     query_start_loc when not given, which syncs).
+    decode_block_n: BLOCK_N of the decode kernel that a batch of one query per
+    sequence runs on FP8 pages (None: this kernel instead); num_warps/num_stages: that kernel's, or this
+    one's; fp8_as_f16: that decode's dots on f16 operands (benchmarks/gpu/probe.py times them all).
     """
     is_fp8 = blocks.dtype == torch.float8_e4m3fn
     assert is_fp8 == (scales is not None), "scales come with an FP8 pool, and only with one"
@@ -171,6 +179,14 @@ def paged_attention_fp8(
     assert q.dtype in DOT_DTYPES and 0 <= layer < blocks.shape[2]
     out, batch, max_q_len = ragged_output(q, lookup_table, cache_lengths, query_start_loc, out, head_dim, max_q_len)
     if max_q_len == 0:
+        return out
+    if is_fp8 and max_q_len == 1 and q.shape[0] == batch and decode_block_n is not None:
+        # Decode (one query per sequence: T = B and none longer than 1): kernels.decode's GQA-packed,
+        # split-KV kernel, which reads FP8 pages too; this kernel keeps one program per (sequence, KV head),
+        # which left the first GPU run's FP8 decode at half the bf16 decode's tokens/s.
+        splits = pick_num_splits(batch, num_kv_heads, q.device)
+        launch = Launch(splits, decode_block_n, num_warps, num_stages, fp8_as_f16)
+        decode_launch(q, blocks, scales, layer, lookup_table, cache_lengths, out, None, launch, **options)
         return out
     group = num_q_heads // num_kv_heads
     block_m = 1 if max_q_len == 1 else max(1, 64 // triton.next_power_of_2(group))
@@ -210,5 +226,6 @@ def paged_attention_fp8(
         USE_SOFTCAP=bool(softcap),
         USE_WINDOW=bool(sliding_window),
         DOT_DTYPE=dot_dtype(q.dtype),
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     return out

@@ -6,6 +6,7 @@ Parts, in order (each skipped, and said so, when the time guard has too little l
   figures  decode bandwidth against a device-to-device copy, split-KV, SDPA, prefill, FP8 (figures.py)
   service  a CUDA pool served over HTTP, CUDA IPC from another process, the host tier, the vLLM
            connector's GPU layout, with their figures (service_checks.py)
+  probe    variants of the decode launches behind the first GPU run's missed targets, timed (probe.py)
   pytest   `pytest -m gpu`, then the CPU suite's tests that run there (pytest_part.py)
 
 Everything lands in OUTDIR: results.json (every check and figure; rewritten after each part, so a run

@@ -15,9 +15,9 @@ from benchmarks.gpu.report import Report
 if TYPE_CHECKING:  # torch is imported after --dry-run has set TRITON_INTERPRET
     import torch
 
-PARTS = ["env", "kernels", "figures", "service", "pytest"]
+PARTS = ["env", "kernels", "figures", "service", "probe", "pytest"]
 # Seconds a part needs on an H100/H200 for it to start at all (the rest of the budget is the guard's).
-NEEDS_S = {"env": 0, "kernels": 60, "figures": 60, "service": 45, "pytest": 45}
+NEEDS_S = {"env": 0, "kernels": 60, "figures": 60, "service": 45, "probe": 100, "pytest": 45}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="the same flow on the CPU: interpreter, tiny shapes")
     parser.add_argument("--budget-s", type=float, default=390, help="stop starting parts after this (default 390)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
+    parser.add_argument(
+        "--sweep-only",
+        nargs="+",
+        default=[],
+        metavar="TEXT",
+        help="kernels: only the sweep steps whose names contain one of these (e.g. 'D=256' 'mla')",
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
@@ -35,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks.gpu: no CUDA device here; run with --dry-run for the CPU flow", file=sys.stderr)
         return 2
     report = Report(args.outdir, args.budget_s, args.dry_run)
+    report.sweep_only = args.sweep_only
     device = torch.device("cpu" if args.dry_run else "cuda")
     report.say(f"benchmarks.gpu on {device} ({'dry run' if args.dry_run else 'GPU run'}), budget {args.budget_s:.0f} s")
     try:
@@ -60,6 +68,8 @@ def part_function(name: str) -> Callable[..., None]:
         from benchmarks.gpu.figures import run
     elif name == "service":
         from benchmarks.gpu.service_checks import run
+    elif name == "probe":
+        from benchmarks.gpu.probe import run
     else:
         from benchmarks.gpu.pytest_part import run
     return run

@@ -18,20 +18,30 @@ import torch
 from benchmarks.gpu.report import Report
 
 PART = "pytest"
+TEST_TIMEOUT_S = 60
+VERDICTS = (" PASSED", " FAILED", " ERROR", " SKIPPED", " XFAIL", " XPASS")
 DRY_COLLECT = ["tests/tiers/test_tiers_cuda.py"]  # quick to collect, with gpu tests
+NOT_CARRIED = ["--ignore=tests/deploy"]
 CPU_SUITE = ["tests/core", "tests/engine", "tests/ipc", "tests/tiers", "tests/server", "tests/client"]
 
 
 def pytest_run(report: Report, name: str, args: list[str], env: dict[str, str], timeout_s: float) -> None:
     xml = report.path.parent / f"pytest_{name}.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *args]
+    # (pytest-benchmark, in the GPU image, turns xdist's presence into a warning that -W error makes fatal.)
+    # -v: each test's name and verdict as it ends, so a run the timeout cuts still says which failed;
+    # --timeout: one hung test fails alone (pytest-timeout) instead of taking the run's time with it.
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider", "-p", "no:benchmark"]
+    cmd += [f"--timeout={TEST_TIMEOUT_S}", f"--junitxml={xml}", *args]
     report.say(f"  $ {' '.join(cmd[2:])} (timeout {timeout_s:.0f} s)")
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        tail, rc = (done.stdout + done.stderr)[-4000:], done.returncode
+        output, rc = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as exc:
-        tail, rc = str(exc.stdout or "")[-4000:], -1
-    report.say(tail)
+        output, rc = _text(exc.stdout) + _text(exc.stderr), -1
+    lines = output.splitlines()
+    # Every verdict line (the names), then the end: the failures' short tracebacks and the summary.
+    verdicts = [line for line in lines if "::" in line and any(v in line for v in VERDICTS)]
+    report.say("\n".join([*verdicts, "...", *lines[-60:]])[-12000:])
     counts = junit_counts(xml)
     ok = (
         rc in (0, 5 if "--collect-only" in args else 0)
@@ -39,6 +49,10 @@ def pytest_run(report: Report, name: str, args: list[str], env: dict[str, str], 
         and counts.get("errors", 0) == 0
     )
     report.check(PART, f"{name}: pytest exit {rc}", ok, **counts)
+
+
+def _text(out: bytes | str | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def junit_counts(xml: Path) -> dict[str, int]:
@@ -55,7 +69,8 @@ def run(report: Report, device: torch.device) -> None:
         pytest_run(report, "gpu_collect", ["-m", "gpu", "--collect-only", *DRY_COLLECT], env, 120)
         return
     env.pop("TRITON_INTERPRET", None)  # the gpu tests compile their kernels for the device
-    pytest_run(report, "gpu", ["-m", "gpu", "tests"], env, max(30.0, report.left_s() - 60))
+    # tests/deploy needs the deploy tooling, which does not travel (their collection fails without it).
+    pytest_run(report, "gpu", ["-m", "gpu", "tests", *NOT_CARRIED], env, max(30.0, report.left_s() - 60))
     left = report.left_s() - 15
     if left < 30:
         report.say(f"  the CPU suite: not run, {left:.0f} s left")

@@ -16,6 +16,7 @@ class Report:
         self.budget_s = budget_s
         self.deadline = time.monotonic() + budget_s
         self.dry_run = dry_run
+        self.sweep_only: list[str] = []  # --sweep-only (sweep.py)
         self.data: dict[str, Any] = {
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "dry_run": dry_run,

@@ -130,7 +130,8 @@ def ipc_checks(report: Report, device: torch.device) -> None:
             for s in seqs:
                 c.create_sequence(s)
                 slots.append(c.append(s, num_tokens=ctx).slots)
-            flat = torch.tensor([x for row in slots for x in row])
+            # The served slots, once on the device, as a frontend holds them (its writes then check them there).
+            flat = torch.tensor([x for row in slots for x in row], device=device)
             gen = torch.Generator(device).manual_seed(5)
             k = torch.randn(len(flat), hkv, dim, generator=gen, device=device).to(dtype)
             v = torch.randn(len(flat), hkv, dim, generator=gen, device=device).to(dtype)

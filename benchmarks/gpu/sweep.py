@@ -215,14 +215,18 @@ def run(report: Report, device: torch.device) -> None:
     sweep = Sweep(report, device, scale)
     steps: list[tuple[str, Callable[[], None]]] = []
     for dtype, page, hq, hkv, d in configs(scale):
-        steps.append((f"stores {_name(dtype, page, hq, hkv, d)}", partial(sweep.stores, dtype, page, hkv, d)))
-        steps.append(("decode", partial(sweep.decode, dtype, page, hq, hkv, d)))
-        steps.append(("prefill", partial(sweep.prefill, dtype, page, hq, hkv, d)))
+        name = _name(dtype, page, hq, hkv, d)
+        steps.append((f"stores {name}", partial(sweep.stores, dtype, page, hkv, d)))
+        steps.append((f"decode {name}", partial(sweep.decode, dtype, page, hq, hkv, d)))
+        steps.append((f"prefill {name}", partial(sweep.prefill, dtype, page, hq, hkv, d)))
         if dtype == BF16:
-            steps.append(("attention fp8", partial(sweep.attention_fp8, page, hq, hkv, d)))
+            steps.append((f"attention fp8 {name}", partial(sweep.attention_fp8, page, hq, hkv, d)))
     for page in scale.pages:
         for hq in scale.mla[2]:
-            steps.append(("mla", partial(sweep.mla, page, hq)))
+            steps.append((f"mla Hq={hq} page={page}", partial(sweep.mla, page, hq)))
+    if report.sweep_only:  # --sweep-only: the steps whose names hold one of these (a rerun of what was cut)
+        steps = [(what, step) for what, step in steps if any(part in what for part in report.sweep_only)]
+        report.say(f"  --sweep-only {report.sweep_only}: {[what for what, _ in steps]}")
     # The sweep may take 45% of the budget (its compiles dominate): the figures and the service still run.
     stop_at = report.left_s() - 0.45 * report.budget_s
     for what, step in steps:

@@ -22,13 +22,15 @@ from service.wire.dtypes import DTYPES, FP8_DTYPES, StoredDtype
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"KVPOOL_DEVICE={name} but CUDA is not available")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise RuntimeError(f"KVPOOL_DEVICE={name} but only {torch.cuda.device_count()} GPUs are visible")
+        if device.index is None:  # "cuda": the current GPU, named, since torch.cuda.set_device refuses no index
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

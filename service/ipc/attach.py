@@ -60,6 +60,9 @@ def receive_pool_fds(description: dict[str, Any], api_key: str | None) -> list[i
     return fds
 
 
+STORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what kernels.store writes (not FP8 bytes)
+
+
 class AttachedPool:
     """blocks: [num_pages + 1, 2, num_layers, page_size, num_kv_heads, head_dim], shared with the server.
 
@@ -86,14 +89,18 @@ class AttachedPool:
     def device(self) -> torch.device:
         return self.blocks.device
 
-    def _pages_offsets(self, slots: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _device_slots(self, slots: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+        """The slots, flat, checked against the pool (ValueError before anything is written), on its device."""
         flat = _flat_slots(slots)
-        bad = (flat < 0) | (flat >= self.num_pages * self.page_size)
-        if bool(bad.any()):
-            raise ValueError(
-                f"slot {int(flat[bad][0])} is outside the pool's {self.num_pages * self.page_size} writable slots"
-            )
-        flat = flat.to(self.device)
+        low, high = torch.aminmax(flat) if flat.numel() else (flat.new_zeros(()), flat.new_zeros(()))
+        low_i, high_i = int(low), int(high)  # one read back, where the slots are on the GPU already
+        limit = self.num_pages * self.page_size
+        if low_i < 0 or high_i >= limit:
+            raise ValueError(f"slot {low_i if low_i < 0 else high_i} is outside the pool's {limit} writable slots")
+        return flat.to(self.device)
+
+    def _pages_offsets(self, slots: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        flat = self._device_slots(slots)
         return flat // self.page_size, flat % self.page_size
 
     def write(
@@ -107,18 +114,26 @@ class AttachedPool:
 
         k, v: [num_layers, T, num_kv_heads, head_dim] (every layer) or [T, num_kv_heads, head_dim] (`layer`).
         """
-        pages, offsets = self._pages_offsets(slots)
+        flat = self._device_slots(slots)
         geometry = list(self.blocks.shape[4:])
-        expected = [len(pages), *geometry] if layer is not None else [self.blocks.shape[2], len(pages), *geometry]
+        expected = [len(flat), *geometry] if layer is not None else [self.blocks.shape[2], len(flat), *geometry]
         for name, t in (("k", k), ("v", v)):
             if list(t.shape) != expected:
                 raise ValueError(f"{name} must have shape {expected}, not {list(t.shape)}")
         k, v = k.to(self.device, self.blocks.dtype), v.to(self.device, self.blocks.dtype)
-        if layer is None:
+        if self.device.type == "cuda" and self.blocks.dtype in STORE_DTYPES:
+            # kvpool's store kernel: one pass over K/V (index_put_ on the 6-d pool moved K/V at a tenth of
+            # the copy bandwidth on the first GPU run).
+            from kernels.store import store_kv
+
+            store_kv(self.blocks, k, v, flat, layer)
+        elif layer is None:
+            pages, offsets = flat // self.page_size, flat % self.page_size
             # blocks[pages, 0, :, offsets]: [T, L, H, D]
             self.blocks[pages, 0, :, offsets] = k.transpose(0, 1)
             self.blocks[pages, 1, :, offsets] = v.transpose(0, 1)
         else:
+            pages, offsets = flat // self.page_size, flat % self.page_size
             self.blocks[pages, 0, layer, offsets] = k
             self.blocks[pages, 1, layer, offsets] = v
         if self.device.type == "cuda":

@@ -169,6 +169,7 @@ class HostTier(SpillTier):
         def job() -> None:
             for _, first, slot, count in paired_runs(pages, slots):
                 self.codec.read_run(first, count, self.rows[slot : slot + count])
+            self.codec.settle()  # the rows are read on the host (the disk tier, a later restore's source)
 
         return job
 
@@ -178,6 +179,7 @@ class HostTier(SpillTier):
         def job() -> None:
             for _, slot, first, count in paired_runs(slots, pages):
                 self.codec.write_run(first, count, self.rows[slot : slot + count])
+            self.codec.settle()  # the slots may be reused once the job returns
 
         return job
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu.__main__ import PARTS
 from tests.conftest import REPO
-
-PARTS = ["env", "kernels", "figures", "service", "pytest"]
 
 
 @pytest.mark.slow

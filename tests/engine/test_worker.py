@@ -173,3 +173,28 @@ def test_fits_inline_bounds(engine: DeviceEngine) -> None:
     assert engine.fits_inline(DeviceEngine.INLINE_MAX_FLOPS, DeviceEngine.INLINE_MAX_BYTES)
     assert not engine.fits_inline(DeviceEngine.INLINE_MAX_FLOPS + 1)
     assert not engine.fits_inline(nbytes=DeviceEngine.INLINE_MAX_BYTES + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_pool_on_plain_cuda_runs_jobs_on_the_worker_on_its_gpu() -> None:
+    """KVPOOL_DEVICE=cuda (no index): the worker's initializer selects the GPU. Found on the first GPU
+    run: torch.cuda.set_device refuses a device without an index, the pool broke its worker, and every
+    job too large to run inline answered BrokenThreadPool."""
+    storage = Storage(Settings(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, num_pages=8, device="cuda"))
+    engine = DeviceEngine(storage)
+    try:
+        assert storage.device.index == torch.cuda.current_device()
+
+        def job() -> tuple[int, bool]:
+            storage.blocks.add_(1)
+            return torch.cuda.current_device(), engine._on_worker()
+
+        async def main() -> tuple[int, bool]:
+            return await engine.submit(job)  # not inline: on the worker thread
+
+        assert asyncio.run(main()) == (storage.device.index, True)
+        assert bool((storage.blocks == 1).all())
+    finally:
+        engine.close()
+        storage.close()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kernels.attention_fp8 import paged_attention_fp8
+from kernels.decode import Launch, decode_launch
 from kernels.reference import paged_attention_ref, store_kv_ref
 from kernels.reference_fp8 import paged_attention_fp8_ref, store_kv_fp8_ref
 
@@ -49,11 +50,14 @@ CASES = [
     ([7, 10, 3], [1, 1, 1], {}),  # decode
     ([7, 10, 3], [3, 10, 2], {}),  # prefill: a whole prompt, and chunks after a cached prefix
     ([7, 10, 3], [1, 4, 2], {"sliding_window": 3, "softcap": 2.0, "scale": 0.3}),
+    ([7, 10, 3], [1, 1, 1], {"sliding_window": 3, "softcap": 2.0, "scale": 0.3}),  # decode, windowed
 ]
 
 
 @pytest.mark.parametrize("group", [32, 8], ids=["folded-scales", "grouped-scales"])
-@pytest.mark.parametrize("lens,q_lens,kwargs", CASES, ids=["decode", "prefill", "window-softcap"])
+@pytest.mark.parametrize(
+    "lens,q_lens,kwargs", CASES, ids=["decode", "prefill", "window-softcap", "decode-window-softcap"]
+)
 def test_kernel_matches_reference(group: int, lens: list[int], q_lens: list[int], kwargs: dict[str, float]) -> None:
     blocks, scales, _, lut = make_pool(lens, 32, group, num_pages=12, page_size=4, seed=group + len(kwargs))
     cache_lengths, qsl = batch(lens, q_lens)
@@ -63,6 +67,29 @@ def test_kernel_matches_reference(group: int, lens: list[int], q_lens: list[int]
     expected = paged_attention_fp8_ref(q, blocks, scales, 1, lut, cache_lengths, qsl, **kwargs)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
     assert blocks[12].view(torch.uint8).eq(0).all() and scales[12].eq(0).all()  # the null page
+
+
+@pytest.mark.parametrize("group", [32, 8], ids=["folded-scales", "grouped-scales"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_on_fp8_pages_runs_the_split_kv_decode_kernel(group: int, dtype: torch.dtype, splits: int) -> None:
+    """One query per sequence on FP8 pages goes to kernels.decode's kernel (split-KV where asked); the old
+    kernel (decode_block_n=None) and the reference agree with it."""
+    lens = [29, 10, 3, 17]
+    blocks, scales, _, lut = make_pool(lens, 32, group, num_pages=24, page_size=4, seed=splits + group)
+    cache_lengths, qsl = batch(lens, [1] * len(lens))
+    q = torch.randn(len(lens), 4, 32).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    decode_launch(q, blocks, scales, 1, lut, cache_lengths, out, None, Launch(splits, block_n=16), softcap=5.0)
+    expected = paged_attention_fp8_ref(q, blocks, scales, 1, lut, cache_lengths, qsl, softcap=5.0)
+    tol = {"atol": 2e-6, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out, expected, **tol)
+    via_wrapper = paged_attention_fp8(q, blocks, scales, 1, lut, cache_lengths, qsl, max_q_len=1, softcap=5.0)
+    old_kernel = paged_attention_fp8(
+        q, blocks, scales, 1, lut, cache_lengths, qsl, max_q_len=1, decode_block_n=None, softcap=5.0
+    )
+    torch.testing.assert_close(via_wrapper, old_kernel, **tol)
+    torch.testing.assert_close(via_wrapper, expected, **tol)
 
 
 def test_same_kernel_reads_a_float32_pool() -> None:

@@ -1,4 +1,5 @@
-"""The FP8 and MLA kernels compile for an H100/H200 (sm_90) with no GPU present.
+"""The FP8 and MLA kernels (and the decode kernel, which reads FP8 pages too) compile for an H100/H200
+(sm_90) with no GPU present.
 
 The interpreter runs the kernels' semantics on the CPU but never lowers them; this compiles them
 ahead of time through Triton's own pipeline (TTIR -> PTX -> ptxas, bundled with the wheel) in a
@@ -21,9 +22,10 @@ from triton.compiler import ASTSource
 from kernels.attention_fp8 import _attention_fp8_kernel
 from kernels.store_fp8 import _store_kv_fp8_kernel
 from kernels.mla import _mla_kernel, _store_latent_kernel
+from kernels.decode import _decode_kernel
 
 def build(fn, ptrs, consts, num_warps=4):
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("sm_scale", "softcap") else "i32")
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("sm_scale", "scale", "softcap") else "i32")
            for n in fn.arg_names}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
@@ -46,6 +48,14 @@ build(_mla_kernel, dict(q_ptr="*bf16", out_ptr="*bf16", lat_ptr="*bf16", **idx),
            BLOCK_N=32, USE_SOFTCAP=False, USE_WINDOW=True, DOT_DTYPE=tl.bfloat16), num_warps=8)
 build(_store_latent_kernel, dict(src_ptr="*bf16", slot_ptr="*i64", blocks_ptr="*bf16"),
       dict(PAGE_SIZE=32, HEAD_DIM=576, BLOCK_D=1024))
+for is_fp8, groups, splits, as_f16 in ((True, 1, 1, False), (True, 4, 16, False), (True, 1, 1, True),
+                                      (False, 1, 16, False)):
+    build(_decode_kernel,
+          dict(q_ptr="*bf16", blocks_ptr="*fp8e4nv" if is_fp8 else "*bf16", scales_ptr="*fp32", lut_ptr="*i32",
+               cache_lengths_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32"),
+          dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=splits,
+               USE_SOFTCAP=True, RETURN_LSE=True, DOT_PRECISION="tf32", UPCAST_DOT=False, IS_FP8=is_fp8,
+               QUANT_GROUP=128 // groups, NUM_SCALE_GROUPS=groups, FP8_AS_F16=as_f16))
 print("compiled")
 """
 
