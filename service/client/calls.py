@@ -33,6 +33,7 @@ class StepResult:
     max_cache_length: int
     sentinel: int
     slots: list[list[int]]  # per sequence, the slots of its appended tokens
+    instance_id: str | None = None  # the server's instance, when asked (instance=True)
 
     @classmethod
     def from_wire(cls, out: StepOut) -> "StepResult":
@@ -44,6 +45,7 @@ class StepResult:
             max_cache_length=out.max_cache_length,
             sentinel=out.sentinel,
             slots=out.slots,
+            instance_id=out.instance_id,
         )
 
 
@@ -156,7 +158,7 @@ class Calls:
         return Call("DELETE", f"/v1/sequences/{seq_id}{query}", _freed_pages)
 
     @staticmethod
-    def step(appends: Sequence[StepAppend], seq_ids: Sequence[str] | None) -> Call[StepResult]:
+    def step(appends: Sequence[StepAppend], seq_ids: Sequence[str] | None, instance: bool = False) -> Call[StepResult]:
         items = []
         for a in appends:
             item: dict[str, Any] = {"seq_id": a[0], "num_tokens": a[1]}
@@ -166,7 +168,7 @@ class Calls:
         body: dict[str, Any] = {"appends": items}
         if seq_ids is not None:
             body["seq_ids"] = list(seq_ids)
-        return Call("POST", "/v1/step", _step_result, body)
+        return Call("POST", f"/v1/step{'?instance=true' if instance else ''}", _step_result, body)
 
     @staticmethod
     def attend(

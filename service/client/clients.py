@@ -77,8 +77,12 @@ class KVPoolClient(_Base):
         not committed yet are released uncommitted (no prefix hits them)."""
         return self._run(Calls.free(seq_id, commit))
 
-    def step(self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None) -> StepResult:
-        return self._run(Calls.step(appends, seq_ids))
+    def step(
+        self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None, instance: bool = False
+    ) -> StepResult:
+        """All appends or none, then the lookup table of `seq_ids` (default: the appended ones); instance: the
+        result's .instance_id names the server's instance."""
+        return self._run(Calls.step(appends, seq_ids, instance))
 
     def attend(
         self,
@@ -169,8 +173,10 @@ class AsyncKVPoolClient(_Base):
         """Free a sequence; returns how many of its pages lost their last reference (commit: as free())."""
         return await self._run(Calls.free(seq_id, commit))
 
-    async def step(self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None) -> StepResult:
-        return await self._run(Calls.step(appends, seq_ids))
+    async def step(
+        self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None, instance: bool = False
+    ) -> StepResult:
+        return await self._run(Calls.step(appends, seq_ids, instance))
 
     async def attend(
         self,

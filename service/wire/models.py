@@ -147,6 +147,7 @@ class StepOut(Answer):
     kv_last_page_len: TensorOut | None = Field(None, description="flashinfer: int32 [batch], 0 for an empty sequence")
     block_table: TensorOut | None = Field(None, description="flash_attn: int32 [batch, max pages]")
     cache_seqlens: TensorOut | None = Field(None, description="flash_attn: int32 [batch], lengths after the step")
+    instance_id: str | None = Field(None, description="the server's instance (only when asked: ?instance=true)")
 
 
 class AttendRequest(Strict):

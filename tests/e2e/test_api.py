@@ -341,6 +341,14 @@ def test_sequence_answers_name_the_instance_only_when_asked(api: Server) -> None
         assert client.get_sequence("inst").instance_id is None
         appended = client.append("inst", 1, instance=True)
         assert (appended.instance_id, appended.length) == (instance, 4)
+        step = client.step([("inst", 2)], instance=True)  # a step's answer too (the vLLM connector's batched saves)
+        assert step.instance_id == instance and step.cache_lengths.tolist() == [4] and step.input_lengths == [2]
+        assert client.step([("inst", 1)]).instance_id is None
+    r = c.post("/v1/step?instance=true", json={"appends": [{"seq_id": "inst", "num_tokens": 1}]})
+    assert r.status_code == 200 and r.json()["instance_id"] == instance
+    assert "instance_id" not in c.post("/v1/step", json={"appends": []}).json()
+    assert_error(c.post("/v1/step?instance=maybe", json={"appends": []}), 422, "invalid_request")
+    assert sequence(c, "inst")["length"] == 8
     assert c.delete("/v1/sequences/inst").status_code == 200
 
 

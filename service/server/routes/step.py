@@ -10,6 +10,7 @@ from service.core.lut_formats import flash_attn_tables, flashinfer_tables
 from service.pool import PoolState
 from service.server.bodies import read_json
 from service.server.leases import renew_named_in
+from service.server.routes.sequences import InstanceQuery
 from service.server.routes.table import RouteTable
 from service.server.state import StateDep, TenantDep, json_response
 from service.wire.models import StepOut, StepRequest, error_responses
@@ -21,8 +22,9 @@ routes = RouteTable(tags=["step"])
 @routes.post(
     "/v1/step", body=StepRequest, response_model=StepOut, responses=error_responses(401, 404, 413, 422, 429, 507)
 )
-async def step(request: Request, pool: StateDep, tenant: TenantDep) -> Response:
-    """All appends or none, then the sentinel-filled lookup table of the listed sequences."""
+async def step(request: Request, pool: StateDep, tenant: TenantDep, instance: InstanceQuery = False) -> Response:
+    """All appends or none, then the sentinel-filled lookup table of the listed sequences (?instance=true: and
+    the server's instance_id, for a client that writes the appended pages through its mapping of the pool)."""
     body = await read_json(request, StepRequest, refused=lambda raw: renew_named_in(pool, tenant, raw))
     appends = [(a.seq_id, a.num_tokens, a.token_ids) for a in body.appends]
     result = pool.sequences.step(appends, body.seq_ids, tenant)
@@ -38,6 +40,7 @@ async def step(request: Request, pool: StateDep, tenant: TenantDep) -> Response:
             "slots": result.new_slots.reshape(-1, 1) if result.one_token_each else result.slots,  # numpy: no lists
             "format": body.format,
             **format_tables(body.format, result.lookup_table, cache_lengths, result.input_lengths, pool),
+            **({"instance_id": pool.instance_id} if instance else {}),
         }
     )
     if result.copies:  # copy-on-write, submitted with no await since the bookkeeping (device work keeps its order)

@@ -1,0 +1,166 @@
+"""The connector's bookkeeping per lookup and per save, and kvpool's HTTP calls per request, for one or more
+source trees side by side (old code against new), in alternating rounds on the same machine.
+
+    python -m benchmarks.vllm_bookkeeping [--tree /tmp/kvpool-main --tree .] [--rounds 6 --batch 8]
+
+Each tree gets its own `kvpool serve --model` and one vLLM engine (tests/integrations/vllm_engine: in-process
+engine core, vLLM's prefix cache off, so every prompt is looked up in kvpool), both run from that tree. Every
+round sends each engine, in alternating order, a batch of prompts at once (one generate(): several requests
+per step): half are fresh (misses, saved), half repeat a prompt of the round before with a new last page
+(hits, loaded). Generated tokens fill more pages, so requests also make later saves. Per tree it prints, from
+the connector's own counters (summed over the rounds): per lookup its time (lookup_ns, the scheduler waits),
+per save the appends' time (append_ns, the step waits), the worker's time beyond the copies (save_ns -
+save_copy_ns, on the connector's thread) and the releases (release_ns, on the scheduler's connector thread),
+per load the time beyond the copy (load_ns - load_copy_ns, the step waits); and kvpool's HTTP calls per
+request by route, from its /metrics.
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from benchmarks.vllm_connector import FIXED_MALLOC, make_model
+
+REPO = Path(__file__).resolve().parent.parent
+PAGE = 16
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+class Side:
+    """One tree's kvpool server and engine."""
+
+    def __init__(self, tree: Path, model: Path, port: int, config: dict[str, Any]) -> None:
+        self.tree, self.url = tree, f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYTHONPATH": str(tree), **FIXED_MALLOC}
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--model", str(model), "--port", str(port),
+             "--device", "cpu", "--num-pages", "8192", "--log-level", "warning"],
+            cwd=tree, env=env,
+        )  # fmt: skip
+        for _ in range(300):
+            try:
+                if httpx.get(f"{self.url}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError(f"kvpool at {self.url} did not start")
+        self.engine = subprocess.Popen(
+            [sys.executable, "-m", "tests.integrations.vllm_engine", json.dumps({**config, "kvpool_url": self.url})],
+            cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self._readline()  # {"ready": ...}
+        self.stats: Counter[str] = Counter()
+        self.http: Counter[str] = Counter()
+        self.requests = 0
+        self.walls: list[float] = []
+
+    def _readline(self) -> dict[str, Any]:
+        out: IO[str] | None = self.engine.stdout
+        assert out is not None
+        while True:
+            line = out.readline()
+            if not line:
+                raise RuntimeError(f"the engine of {self.tree} exited")
+            if line.startswith("{"):
+                answer: dict[str, Any] = json.loads(line)
+                return answer
+
+    def http_calls(self) -> Counter[str]:
+        """kvpool's answered requests so far, by route and method."""
+        calls: Counter[str] = Counter()
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith("kvpool_request_duration_seconds_count{"):
+                labels = dict(LABEL.findall(line))
+                calls[f"{labels['method']} {labels['route']}"] += int(float(line.rsplit(" ", 1)[1]))
+        return calls
+
+    def run(self, batch: list[list[int]]) -> None:
+        before_http, began = self.http_calls(), time.perf_counter()
+        assert self.engine.stdin is not None
+        self.engine.stdin.write(json.dumps([{"token_ids": p} for p in batch]) + "\n")
+        self.engine.stdin.flush()
+        answer = self._readline()
+        self.walls.append(time.perf_counter() - began)
+        self.stats = Counter(answer["stats"])  # the connector's counters since the engine started
+        self.http.update(self.http_calls() - before_http)
+        self.requests += len(batch)
+
+    def stop(self) -> None:
+        for proc in (self.engine, self.server):
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def report(side: Side, label: str) -> dict[str, Any]:
+    s = side.stats
+    lookups = max(1, s["lookups"])
+    # Every save appends once: a call of its own, or an item of a step's batched call.
+    n_saves = max(1, s["saves"] or sum(v for k, v in side.http.items() if "append" in k))
+    figures = {
+        "lookup_ms": s["lookup_ns"] / 1e6 / lookups,
+        "append_ms_per_save": s["append_ns"] / 1e6 / n_saves,
+        "save_beyond_copy_ms_per_save": (s["save_ns"] - s["save_copy_ns"]) / 1e6 / n_saves,
+        "release_ms_per_save": s["release_ns"] / 1e6 / n_saves,
+        "load_beyond_copy_ms_per_lookup": (s["load_ns"] - s["load_copy_ns"]) / 1e6 / lookups,
+        "http_calls_per_request": {k: round(v / side.requests, 2) for k, v in sorted(side.http.items())},
+        "batch_wall_s_median": statistics.median(side.walls),
+        "lookups": s["lookups"], "saved_tokens": s["saved_tokens"], "loaded_tokens": s["loaded_tokens"],
+        "save_calls": n_saves,
+    }  # fmt: skip
+    print(f"{label}: {json.dumps(figures)}", flush=True)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", action="append", type=Path, help="a source tree (repeat; default: this one)")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=8, help="prompts per round (half hits after round 1)")
+    parser.add_argument("--prompt", type=int, default=448)
+    parser.add_argument("--new", type=int, default=40, help="tokens generated per prompt")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512)
+    args = parser.parse_args()
+    trees = [t.resolve() for t in (args.tree or [REPO])]
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        make_model(model, args.layers, args.hidden, "float32")
+        config = {"model": str(model), "block_size": 32, "max_tokens": args.new, "max_model_len": 2048}
+        sides = [Side(tree, model, 18500 + os.getpid() % 500 + 1000 * i, config) for i, tree in enumerate(trees)]
+        try:
+            previous: list[list[int]] = []
+            for round_no in range(args.rounds):
+                fresh = [[rng.randrange(3, 1024) for _ in range(args.prompt)] for _ in range(args.batch // 2)]
+                hits = [p[:-PAGE] + [rng.randrange(3, 1024) for _ in range(PAGE)] for p in previous]
+                batch = fresh + hits or fresh
+                batch += [[rng.randrange(3, 1024) for _ in range(args.prompt)] for _ in range(args.batch - len(batch))]
+                order = sides if round_no % 2 == 0 else sides[::-1]
+                for side in order:
+                    side.run(batch)
+                previous = fresh
+            for i, side in enumerate(sides):
+                report(side, f"{i}:{side.tree}")
+        finally:
+            for side in sides:
+                side.stop()
+
+
+if __name__ == "__main__":
+    main()
