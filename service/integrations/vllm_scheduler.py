@@ -34,16 +34,16 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, LoadJob, Pin, Role, SaveJob
+from service.integrations.vllm_saves import Append, Appended, append_all
 from service.integrations.vllm_thread import ConnectorThread
 
 LOAD_WAIT_POLL_S = 0.005  # a consumer's lookup asks kvpool again this often while it waits
+Planned = tuple[str, int, tuple[str, int] | None]  # a save: request, its tokens [0, end) saved, (sequence, length)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -59,8 +59,19 @@ class OpenSave:
 
     seq_id: str
     tokens: int  # tokens appended (committed once every rank has written them)
+    req_id: str
+    end: int  # the sequence's length after the append: tokens [0, end) of the request
     written: int = 0  # ranks that wrote their part
     failed: int = 0  # ranks that could not
+
+
+@dataclass
+class Held:
+    """The sequence of a running request's last save, written by every rank: the request's next save appends
+    to it (no create, no free in between); freed, committing, when the request finishes."""
+
+    seq_id: str
+    end: int  # tokens [0, end) of the request
 
 
 class KVPoolConnectorScheduler:
@@ -85,6 +96,9 @@ class KVPoolConnectorScheduler:
         self._loads: list[LoadJob] = []
         self._saving: set[str] = set()  # requests given a save: vLLM keeps their blocks until it is done
         self._open: dict[int, OpenSave] = {}
+        self._held: dict[str, Held] = {}
+        self._to_commit: set[str] = set()  # held sequences with written pages not committed yet
+        self._committing: set[str] = set()  # held sequences in a commit call queued on the thread
         self._next_save_id = 0
         self.worker_stats: Counter[str] = Counter()  # the workers' counters, summed over the ranks
 
@@ -158,7 +172,9 @@ class KVPoolConnectorScheduler:
         page_size = self._link.page_size
         if not page_size or manager is None or not self._role.saves:
             return meta
-        planned: list[tuple[str, int, list[int], Pin | None]] = []
+        planned: list[Planned] = []
+        block_ids: dict[str, list[int]] = {}
+        held: dict[str, Held] = {}  # the held sequences this step's saves append to
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None:
@@ -170,51 +186,95 @@ class KVPoolConnectorScheduler:
             if end <= self._saved.get(req_id, 0):
                 continue
             self._saved[req_id] = end
-            block_ids = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
-            # The pin is handed over: this step's loads from it run before the save, and its pages stay held.
-            planned.append((req_id, end, block_ids, self._pins.pop(req_id, None)))
-        if planned:
-            # The ranks need the pages before the forward: the step waits for the appends (one call per
-            # request, two for a request's later saves).
-            meta.saves = self._thread.run(lambda: [job for p in planned if (job := self._append(*p)) is not None])
-            self._saving.update(job.req_id for job in meta.saves)
+            block_ids[req_id] = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
+            planned.append((req_id, end, self._base(req_id, held)))
+        if not planned:
+            self._commit_written()
+            return meta
+        commit, self._to_commit = list(self._to_commit), set()
+        # The ranks need the pages before the forward: the step waits for the appends (one call for all of
+        # them, with the commits of written saves riding along; a create first for a save with no sequence).
+        kept = {h.seq_id for h in held.values()}
+        appended = self._thread.run(lambda: self._append(planned, commit, kept))
+        if appended is None:  # kvpool unusable now: no save this step; the held sequences stay held
+            self._held.update(held)
+            self._to_commit.update(commit)
+            return meta
+        for done in appended:
+            if done is None:
+                continue
+            item = done.item
+            save_id, self._next_save_id = self._next_save_id, self._next_save_id + 1
+            self._open[save_id] = OpenSave(item.seq_id, item.end - item.start, item.req_id, item.end)
+            job = SaveJob(save_id, item.req_id, item.seq_id, done.instance_id, done.pages, item.start, item.end,
+                          block_ids[item.req_id])  # fmt: skip
+            meta.saves.append(job)
+            self._saving.add(item.req_id)
         return meta
 
-    def _append(self, req_id: str, end: int, block_ids: list[int], pin: Pin | None) -> SaveJob | None:
-        """Append the pages of tokens [kvpool's, end) of the request to its pin or a new sequence (on the
-        connector's thread); the save that writes them, or None (nothing to save, or kvpool failed)."""
-        link, request = self._link, self._requests[req_id]
-        if not link.usable():
-            if pin is not None:
-                link.forget(pin.seq_id)  # released once kvpool answers again
-            return None
+    def _base(self, req_id: str, taken: dict[str, Held]) -> tuple[str, int] | None:
+        """The sequence a save of the request appends to and the tokens it holds: the request's pin (handed
+        over: this step's loads from it run before the save, and its pages stay held), or the sequence of its
+        last save once every rank has written that (appending commits those pages; put in `taken`); None: a
+        new one."""
+        pin, held = self._pins.pop(req_id, None), self._held.pop(req_id, None)
         if pin is not None:
-            seq_id, start = pin.seq_id, pin.cached
-        else:
-            seq = link.create(list(request.all_token_ids[: end + 1]), request.cache_salt)
-            if seq is None:
-                return None
-            seq_id, start = seq.seq_id, seq.cached_tokens
-        if start >= end:  # kvpool holds these pages already (another engine saved them)
-            link.free(seq_id)
+            if held is not None:  # (a preempted request looked up again)
+                self._release(held.seq_id)
+            return pin.seq_id, pin.cached
+        if held is None:
             return None
-        began = time.perf_counter_ns()
-        try:
-            appended = link.client.append(seq_id, token_ids=list(request.all_token_ids[start:end]), instance=True)
-        except KVPoolError as exc:  # refused whole (out of pages, quota): nothing was appended
-            link.record(exc)
-            link.free(seq_id)
+        if held.seq_id in self._committing:  # its commit is queued on the thread, behind this step's appends
+            self._release(held.seq_id)
             return None
-        except httpx.HTTPError as exc:  # the append may have run: its pages are released uncommitted
-            link.record(exc)
-            link.discard(seq_id)
+        taken[req_id] = held
+        return held.seq_id, held.end
+
+    def _append(self, planned: list[Planned], commit: list[str], kept: set[str]) -> list[Appended | None] | None:
+        """On the connector's thread: the appends of the pages of tokens [kvpool's, end) of each request (None
+        for a save with nothing to append, or that kvpool refused); None when kvpool is not usable now (the
+        pins are released once it answers again; the held sequences, `kept`, stay held)."""
+        link = self._link
+        if not link.usable():
+            for _, _, base in planned:
+                if base is not None and base[0] not in kept:
+                    link.forget(base[0])  # a pin: released once kvpool answers again
             return None
-        finally:
-            link.stats["append_ns"] += time.perf_counter_ns() - began
-        assert appended.instance_id is not None
-        save_id, self._next_save_id = self._next_save_id, self._next_save_id + 1
-        self._open[save_id] = OpenSave(seq_id, end - start)
-        return SaveJob(save_id, req_id, seq_id, appended.instance_id, appended.block_table, start, end, block_ids)
+        items: list[Append] = []
+        for req_id, end, base in planned:
+            request = self._requests[req_id]
+            if base is None:
+                seq = link.create(list(request.all_token_ids[: end + 1]), request.cache_salt)
+                if seq is None:
+                    continue
+                base = seq.seq_id, seq.cached_tokens
+            seq_id, start = base
+            if start >= end:  # kvpool holds these pages already (another engine saved them)
+                link.free(seq_id)
+                continue
+            items.append(Append(req_id, seq_id, start, end, list(request.all_token_ids[start:end])))
+        return append_all(link, items, commit) if items else []
+
+    def _commit_written(self) -> None:
+        """A step without saves: commit the pages of the saves every rank has written whose requests still run
+        (one call for all, not waited for; a step with saves carries them in its appends' call)."""
+        if not self._to_commit:
+            return
+        seq_ids, self._to_commit = list(self._to_commit), set()
+        self._committing.update(seq_ids)
+        link = self._link
+
+        def commit() -> None:
+            began = time.perf_counter_ns()
+            try:
+                if link.usable() and link.call(lambda: link.client.step([], seq_ids)) is not None:
+                    link.stats["commit_calls"] += 1
+            finally:
+                self._committing.difference_update(seq_ids)
+                link.stats["release_ns"] += time.perf_counter_ns() - began
+
+        if self._thread.submit(commit):
+            self._waits["release_queue_full"] += 1
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """The ranks' reports of this step (summed over them): commit each save every rank has written."""
@@ -233,9 +293,18 @@ class KVPoolConnectorScheduler:
             del self._open[save_id]
             if save.failed:
                 self._link.stats["saves_discarded"] += 1
-            else:
-                self._link.stats["saved_tokens"] += save.tokens
-            self._release(save.seq_id, commit=not save.failed)
+                self._release(save.seq_id, commit=False)
+                continue
+            self._link.stats["saved_tokens"] += save.tokens
+            held = self._held.get(save.req_id)
+            if save.req_id not in self._requests or (held is not None and held.end > save.end):
+                self._release(save.seq_id)  # finished, or a later save of it was reported first
+                continue
+            if held is not None:
+                self._release(held.seq_id)
+            # Held for the request's next save, which appends to it; its pages are committed meanwhile.
+            self._held[save.req_id] = Held(save.seq_id, save.end)
+            self._to_commit.add(save.seq_id)
 
     def pending_saves(self) -> int:
         """Saves that not every rank has reported yet."""
@@ -250,6 +319,9 @@ class KVPoolConnectorScheduler:
         pin = self._pins.pop(req_id, None)
         if pin is not None:
             self._release(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
+        held = self._held.pop(req_id, None)
+        if held is not None:
+            self._release(held.seq_id)  # its pages are written: committed
         self._requests.pop(req_id, None)
         params = self._announcement(self._saved.pop(req_id, 0))
         # A request given saves keeps its blocks until every rank's get_finished says they are copied.
@@ -279,10 +351,15 @@ class KVPoolConnectorScheduler:
         for save in self._open.values():
             self._release(save.seq_id, commit=False)
         self._open.clear()
+        for held in self._held.values():
+            self._release(held.seq_id)  # written by every rank: committed
+        self._held.clear()
 
     def _release(self, seq_id: str, commit: bool = True) -> None:
         """Free a sequence on the connector's thread; vLLM's scheduler does not wait for it. commit=False:
         its pages not committed yet are released uncommitted."""
+
+        self._to_commit.discard(seq_id)
 
         def release() -> None:
             began = time.perf_counter_ns()

@@ -1,0 +1,99 @@
+"""How the connector's saves reach kvpool: a step's saves in one call, a request's later saves appended to the
+sequence of its earlier ones, and a refused batch split so that one request's refusal leaves the others saved.
+
+A real vLLM engine (tests/integrations/vllm_engine, vLLM's own prefix cache off) against a real `kvpool serve`;
+kvpool's calls are counted from its /metrics (kvpool_request_duration_seconds_count by route and method).
+"""
+
+import re
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.integrations.test_vllm import Engine, KVPool, model_dir, tokens
+
+__all__ = ["model_dir"]  # the tiny Llama fixture of test_vllm.py, shared
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+PAGE = 16
+
+
+def calls(server: KVPool) -> Counter[str]:
+    """kvpool's answered requests so far, by method and route."""
+    counts: Counter[str] = Counter()
+    for line in server.client.get("/metrics").text.splitlines():
+        if line.startswith("kvpool_request_duration_seconds_count{"):
+            labels = dict(LABEL.findall(line))
+            counts[f"{labels['method']} {labels['route']}"] += int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
+def test_a_steps_saves_go_in_one_call_and_later_saves_append_to_the_same_sequence(
+    model_dir: str, tmp_path: Path
+) -> None:
+    server = KVPool(model_dir, PAGE)
+    prompts = [tokens(10 + i, n) for i, n in enumerate((100, 90, 70, 50))]
+    try:
+        engine = Engine(model_dir, server.url, tmp_path / "engine.log", max_tokens=40)
+        try:
+            before = calls(server)
+            first = engine.generate(*prompts)  # prefilled together: their first saves share one step
+            grown = calls(server) - before
+            stats = engine.stats
+            pool = server.pool()
+            # Each prompt with 32 of its generated tokens: every full page of it was saved, the generated ones by
+            # the request's later saves.
+            longer = [p + out["token_ids"][:32] for p, out in zip(prompts, first, strict=True)]
+            again = engine.generate(*longer)
+        finally:
+            engine.close()
+    finally:
+        server.stop()
+    assert not any(k.startswith("faults") for k in stats), stats
+    # One create per request (its lookup); its saves append to that sequence, the first ones in a single step
+    # call; one free per request when it finishes. Saves: the prompts' pages, then one per page of generated
+    # tokens (100+40 -> pages at 112, 128; 90 -> 96, 112, 128; 70 -> 80, 96; 50 -> 64, 80).
+    assert grown["POST /v1/sequences"] == 4 and grown["DELETE /v1/sequences/{seq_id}"] == 4, grown
+    assert stats["saves"] == 4 + 2 + 3 + 2 + 2
+    assert stats["append_batches"] >= 1 and stats.get("append_batches_split", 0) == 0
+    # The appends: the prefill step's four saves in one step call, then one call per later save (the prompts'
+    # lengths differ modulo 16: no two fill a page in the same step). A step without saves commits the pages of
+    # the saves reported written since, in one step call not waited for (listing them).
+    step_calls, append_calls = grown["POST /v1/step"], grown["POST /v1/sequences/{seq_id}/append"]
+    assert stats["append_batches"] + append_calls == 1 + 9, grown
+    assert step_calls == stats["append_batches"] + stats["commit_calls"], (grown, stats)
+    assert stats["saved_tokens"] == sum((len(p) + 39) // PAGE * PAGE for p in prompts)  # (the last token: no KV)
+    assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)  # every pin and save sequence released
+    # The same engine (its own prefix cache off) loads them back from kvpool: every token but the last.
+    assert [out["num_cached_tokens"] for out in again] == [len(p) // PAGE * PAGE for p in longer]
+    assert [out["token_ids"][:8] for out in again] == [out["token_ids"][32:40] for out in first]
+
+
+def test_a_refused_batch_leaves_nothing_of_the_refused_request_and_the_others_saved(
+    model_dir: str, tmp_path: Path
+) -> None:
+    # 24 pages: the long prompt's 25 are refused whatever else is held; the short ones' 3 + 4 fit.
+    server = KVPool(model_dir, PAGE, KVPOOL_NUM_PAGES="24")
+    long, short, other = tokens(20, 400), tokens(21, 60), tokens(22, 70)
+    try:
+        engine = Engine(model_dir, server.url, tmp_path / "engine.log", max_tokens=2)
+        try:
+            first = engine.generate(long, short, other)  # one step prefills all three: one batch of three saves
+            stats = engine.stats
+            pool = server.pool()
+            time.sleep(1.0)  # the out-of-pages incident's retry interval (0.5 s) passes
+            again = engine.generate(long, short, other)
+        finally:
+            engine.close()
+        after = server.pool()
+    finally:
+        server.stop()
+    assert stats["append_batches_split"] == 1 and stats["faults_out_of_pages"] >= 1, stats
+    assert stats["saved_tokens"] == 48 + 64  # the short ones' full pages, none of the long one's
+    assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
+    assert [out["num_cached_tokens"] for out in again] == [0, 48, 64]
+    assert [out["token_ids"] for out in again] == [out["token_ids"] for out in first]
+    assert (after["pages_used"], after["num_sequences"]) == (0, 0)
