@@ -79,12 +79,14 @@ class Side:
                 return answer
 
     def http_calls(self) -> Counter[str]:
-        """kvpool's answered requests so far, by route and method."""
+        """kvpool's answered requests so far by method and route, and ("... ns") the time it took on them."""
         calls: Counter[str] = Counter()
         for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith("kvpool_request_duration_seconds_count{"):
-                labels = dict(LABEL.findall(line))
-                calls[f"{labels['method']} {labels['route']}"] += int(float(line.rsplit(" ", 1)[1]))
+            for suffix, unit in (("_count{", ""), ("_sum{", " ns")):
+                if line.startswith(f"kvpool_request_duration_seconds{suffix}"):
+                    labels = dict(LABEL.findall(line))
+                    value = float(line.rsplit(" ", 1)[1]) * (1e9 if unit else 1)
+                    calls[f"{labels['method']} {labels['route']}{unit}"] += int(value)
         return calls
 
     def run(self, batch: list[list[int]]) -> None:
@@ -118,7 +120,12 @@ def report(side: Side, label: str) -> dict[str, Any]:
         "save_beyond_copy_ms_per_save": (s["save_ns"] - s["save_copy_ns"]) / 1e6 / n_saves,
         "release_ms_per_save": s["release_ns"] / 1e6 / n_saves,
         "load_beyond_copy_ms_per_lookup": (s["load_ns"] - s["load_copy_ns"]) / 1e6 / lookups,
-        "http_calls_per_request": {k: round(v / side.requests, 2) for k, v in sorted(side.http.items())},
+        "http_calls_per_request": {
+            k: round(v / side.requests, 2) for k, v in sorted(side.http.items()) if not k.endswith(" ns")
+        },
+        "server_ms_per_call": {
+            k: round(side.http[f"{k} ns"] / 1e6 / v, 3) for k, v in sorted(side.http.items()) if f"{k} ns" in side.http
+        },
         "batch_wall_s_median": statistics.median(side.walls),
         "lookups": s["lookups"], "saved_tokens": s["saved_tokens"], "loaded_tokens": s["loaded_tokens"],
         "save_calls": n_saves,

@@ -18,10 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import orjson
 import torch
 
 from service.client.calls import AppendResult, Call, Calls, SequenceInfo, StepAppend, StepResult, T, check_response
 from service.ipc.attach import AttachedPool
+
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class _Base:
@@ -29,6 +32,12 @@ class _Base:
         self.base_url = base_url
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _body(call: Call[Any]) -> dict[str, Any]:
+    """The request's body as httpx's arguments: JSON encoded by orjson (a 2,048-token list in ~20 us, the
+    standard library's json, which httpx's json= uses, in ~180 us: the vLLM connector sends one per lookup)."""
+    return {} if call.json is None else {"content": orjson.dumps(call.json), "headers": JSON_HEADERS}
 
 
 class KVPoolClient(_Base):
@@ -41,7 +50,7 @@ class KVPoolClient(_Base):
         self.http = httpx.Client(base_url=base_url, headers=self.headers, timeout=timeout)
 
     def _run(self, call: Call[T]) -> T:
-        return call.parse(check_response(self.http.request(call.method, call.path, json=call.json)))
+        return call.parse(check_response(self.http.request(call.method, call.path, **_body(call))))
 
     def create_sequence(
         self,
@@ -138,7 +147,7 @@ class AsyncKVPoolClient(_Base):
         self.http = httpx.AsyncClient(base_url=base_url, headers=self.headers, timeout=timeout)
 
     async def _run(self, call: Call[T]) -> T:
-        return call.parse(check_response(await self.http.request(call.method, call.path, json=call.json)))
+        return call.parse(check_response(await self.http.request(call.method, call.path, **_body(call))))
 
     async def create_sequence(
         self,
