@@ -9,14 +9,16 @@ never matches a prompt's last token, may match the page holding it; the loads th
 (vLLM allows a partial last block).
 
 Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated for a hit and a save for
-every request whose computed tokens filled more kvpool pages. The scheduler appends those pages itself
-(to the request's pin, or to a sequence created from its token ids for a later save: what kvpool holds
-already is matched, not copied), so that every rank writes into the same pages: each rank its own KV
-heads (and layers), vllm_worker. Each rank reports each save written or failed (KVPoolWorkerMeta, summed
-over the ranks by vLLM's KVOutputAggregator), and once every rank has reported a save, the scheduler frees
-its sequence: committing its pages to kvpool's prefix cache when every rank wrote its part, releasing them
-uncommitted (`commit=false`) when one could not. A page thus enters the prefix cache only once all of its
-KV heads and layers are written, and its pages are never released while a rank may still be writing them.
+every request whose computed tokens filled more kvpool pages. The scheduler appends those pages itself, all
+of a step's in one call (vllm_saves): to the request's pin, to the sequence of its earlier saves once every
+rank has written those, or else to a sequence created from its token ids (what kvpool holds already is
+matched, not copied), so that every rank writes into the same pages: each rank its own KV heads (and
+layers), vllm_worker. Each rank reports each save written or failed (KVPoolWorkerMeta, summed over the
+ranks by vLLM's KVOutputAggregator). Once every rank has reported a save: when one could not write, the
+scheduler releases its sequence uncommitted (`commit=false`); when all did, it commits the pages (the next
+step's call lists the sequence, and the request's next save appends to it) and frees the sequence when the
+request finishes. A page thus enters the prefix cache only once all of its KV heads and layers are written,
+and its pages are never released while a rank may still be writing them.
 A rank that dies never reports: its saves stay uncommitted, and kvpool frees them when vLLM shuts the
 connector down (or holds them, if the engine dies with them). A request given saves keeps its blocks after
 it finishes until every rank reports its saves done (get_finished, summed the same way by vLLM).
