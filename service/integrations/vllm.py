@@ -11,21 +11,21 @@ calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the 
 
 Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is the cached
 prefix, held (not evictable) until its first save, or until the request finishes or is aborted. The hit
-answered is that prefix cut to vLLM's block size: one call per request, whatever the number of ranks.
-Worker side, on every rank: the loads copy the rank's part of the pinned pages into vLLM's blocks before the
-forward, then check that the pin still lives on the server whose pool is mapped (one call, whose answer names
-the instance; else the blocks are reported as load errors and vLLM recomputes them). Saves: every request
-whose computed tokens filled more kvpool pages gets a save; the scheduler appends its pages, all of a step's
-in one call (to the request's pin, which holds what kvpool had at the lookup, then to the sequence of its
-earlier saves, or to a sequence created from its token ids: what kvpool has already is matched, not copied),
-each rank copies its part of the K/V into them after the forward, without the step waiting, and reports it
-written or not; once every rank has, the scheduler commits the pages to kvpool's prefix cache only if every
-rank wrote its part (else the sequence is released uncommitted). vLLM keeps a finished request's blocks until
-its saves are done on every rank (request_finished answers True; get_finished reports them), and a step that
-reuses a preempted request's blocks first lets its saves finish (handle_preemptions). Each side's kvpool calls
-and copies run on a thread of its own (vllm_thread). K/V moves only through the mapped pool. KVPoolConnector,
-the class vLLM loads, holds what both sides share (the link to kvpool, the thread, the counters) and forwards each of vLLM's calls to its
-role's object: vllm_scheduler's or vllm_worker's.
+answered is that prefix cut to vLLM's block size: one call per request, whatever the number of ranks. Worker
+side, on every rank: the loads copy the rank's part of the pinned pages into vLLM's blocks before the forward,
+then check that the pin still lives on the server whose pool is mapped (one call, whose answer names the
+instance; else the blocks are reported as load errors and vLLM recomputes them). Saves: every request whose
+computed tokens filled more kvpool pages gets a save; the scheduler appends its pages, all of a step's in one
+call (to the request's pin, which holds what kvpool had at the lookup, then to the sequence of its earlier
+saves, or to a sequence created from its token ids: what kvpool has already is matched, not copied), each rank
+copies its part of the K/V into them after the forward, without the step waiting, and reports it written or
+not; once every rank has, the scheduler commits the pages to kvpool's prefix cache only if every rank wrote its
+part (else the sequence is released uncommitted). vLLM keeps a finished request's blocks until its saves are
+done on every rank (request_finished answers True; get_finished reports them), and a step that reuses a
+preempted request's blocks first lets its saves finish (handle_preemptions). Each side's kvpool calls and
+copies run on a thread of its own (vllm_thread). K/V moves only through the mapped pool. KVPoolConnector, the
+class vLLM loads, holds what both sides share (the link to kvpool, the thread, the counters) and forwards each
+of vLLM's calls to its role's object: vllm_scheduler's or vllm_worker's.
 
 Tensor and pipeline parallelism: kvpool's pool has the whole model's geometry (every layer and KV head) and
 each rank reads and writes its own KV heads and layers of the same pages (vllm_worker.Shard), so a prefix
