@@ -100,7 +100,6 @@ class KVPoolConnectorScheduler:
         self._open: dict[int, OpenSave] = {}
         self._held: dict[str, Held] = {}
         self._to_commit: set[str] = set()  # held sequences with written pages not committed yet
-        self._committing: set[str] = set()  # held sequences in a commit call queued on the thread
         self._next_save_id = 0
         self.worker_stats: Counter[str] = Counter()  # the workers' counters, summed over the ranks
 
@@ -191,7 +190,6 @@ class KVPoolConnectorScheduler:
             block_ids[req_id] = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
             planned.append((req_id, end, self._base(req_id, held)))
         if not planned:
-            self._commit_written()
             return meta
         commit, self._to_commit = list(self._to_commit), set()
         # The ranks need the pages before the forward: the step waits for the appends (one call for all of
@@ -226,9 +224,6 @@ class KVPoolConnectorScheduler:
             return pin.seq_id, pin.cached
         if held is None:
             return None
-        if held.seq_id in self._committing:  # its commit is queued on the thread, behind this step's appends
-            self._release(held.seq_id)
-            return None
         taken[req_id] = held
         return held.seq_id, held.end
 
@@ -257,27 +252,6 @@ class KVPoolConnectorScheduler:
             items.append(Append(req_id, seq_id, start, end, list(request.all_token_ids[start:end])))
         return append_all(link, items, commit) if items else []
 
-    def _commit_written(self) -> None:
-        """A step without saves: commit the pages of the saves every rank has written whose requests still run
-        (one call for all, not waited for; a step with saves carries them in its appends' call)."""
-        if not self._to_commit:
-            return
-        seq_ids, self._to_commit = list(self._to_commit), set()
-        self._committing.update(seq_ids)
-        link = self._link
-
-        def commit() -> None:
-            began = time.perf_counter_ns()
-            try:
-                if link.usable() and link.call(lambda: link.client.step([], seq_ids)) is not None:
-                    link.stats["commit_calls"] += 1
-            finally:
-                self._committing.difference_update(seq_ids)
-                link.stats["release_ns"] += time.perf_counter_ns() - began
-
-        if self._thread.submit(commit):
-            self._waits["release_queue_full"] += 1
-
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """The ranks' reports of this step (summed over them): commit each save every rank has written."""
         meta = output.kv_connector_worker_meta
@@ -304,7 +278,9 @@ class KVPoolConnectorScheduler:
                 continue
             if held is not None:
                 self._release(held.seq_id)
-            # Held for the request's next save, which appends to it; its pages are committed meanwhile.
+            # Held for the request's next save, which appends to it. Its pages are committed by the next step call
+            # of this engine's saves (which lists it) or when the request finishes, whichever comes first: a call
+            # of its own would cost more than the save it follows, for a request that finishes soon.
             self._held[save.req_id] = Held(save.seq_id, save.end)
             self._to_commit.add(save.seq_id)
 

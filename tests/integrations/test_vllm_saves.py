@@ -60,11 +60,12 @@ def test_a_steps_saves_go_in_one_call_and_later_saves_append_to_the_same_sequenc
     assert stats["saves"] == 4 + 2 + 3 + 2 + 2
     assert stats["append_batches"] >= 1 and stats.get("append_batches_split", 0) == 0
     # The appends: the prefill step's four saves in one step call, then one call per later save (the prompts'
-    # lengths differ modulo 16: no two fill a page in the same step). A step without saves commits the pages of
-    # the saves reported written since, in one step call not waited for (listing them).
+    # lengths differ modulo 16: no two fill a page in the same step), a step call where another request's pages
+    # are written and waiting for their commit (listed in it), an append call otherwise.
     step_calls, append_calls = grown["POST /v1/step"], grown["POST /v1/sequences/{seq_id}/append"]
-    assert stats["append_batches"] + append_calls == 1 + 9, grown
-    assert step_calls == stats["append_batches"] + stats["commit_calls"], (grown, stats)
+    assert step_calls == stats["append_batches"]
+    assert step_calls + append_calls == 1 + 9, grown
+    assert step_calls > 1, grown
     assert stats["saved_tokens"] == sum((len(p) + 39) // PAGE * PAGE for p in prompts)  # (the last token: no KV)
     assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)  # every pin and save sequence released
     # The same engine (its own prefix cache off) loads them back from kvpool: every token but the last.
