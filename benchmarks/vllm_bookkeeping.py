@@ -11,8 +11,9 @@ per step): half are fresh (misses, saved), half repeat a prompt of the round bef
 the connector's own counters (summed over the rounds): per lookup its time (lookup_ns, the scheduler waits),
 per save the appends' time (append_ns, the step waits), the worker's time beyond the copies (save_ns -
 save_copy_ns, on the connector's thread) and the releases (release_ns, on the scheduler's connector thread),
-per load the time beyond the copy (load_ns - load_copy_ns, the step waits); and kvpool's HTTP calls per
-request by route, from its /metrics.
+per lookup the loads' time beyond their copies (load_ns - load_copy_ns, the step waits); per request the
+bookkeeping as benchmarks.serving counts it and what of the connector's time vLLM's step waits for; and from
+kvpool's /metrics its HTTP calls per request and its own time per call, by route.
 """
 
 import argparse
