@@ -46,10 +46,21 @@ def decode_finite(name: str, t: Tensor) -> torch.Tensor:
     return x
 
 
+# 16-bit floats on the CPU: (the same-width integer view, its exponent bits). A value is NaN or infinite
+# exactly when its exponent bits are all set. torch.isfinite on a CPU bfloat16 tensor of 32 x 32 x 128 took
+# ~5 ms here (and was most of an attend's overhead on the first GPU run, whose output comes back as bf16);
+# the bit test through numpy takes ~60 us.
+EXPONENT_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
 def all_finite(x: torch.Tensor) -> bool:
-    """torch.isfinite(x).all(), through numpy where it can (a quarter of the time on a small CPU tensor)."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float16):
+    """torch.isfinite(x).all(), through numpy where it can (CPU tensors)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
         return bool(np.isfinite(x.numpy()).all())
+    mask = EXPONENT_BITS.get(x.dtype)
+    if x.device.type == "cpu" and mask is not None:
+        bits = x.contiguous().view(torch.int16).numpy().view(np.uint16)
+        return not bool(((bits & mask) == mask).any())
     return bool(torch.isfinite(x).all())
 
 

@@ -128,12 +128,6 @@ def attend_while_polling(server: Server) -> Run:
     return result
 
 
-@pytest.mark.xfail(
-    reason="known regression since 5786b8a (the prefix cache as one object): during a long CPU attend one "
-    "/metrics poll takes 120-190 ms on a quiet machine (py-spy: the event loop inside prometheus_client's "
-    "collect while the worker computes); /healthz, /readyz and /v1/pool stay fast. Open in issue 25's note.",
-    strict=False,
-)
 def test_the_server_answers_while_a_long_prefill_attend_runs(run: Run) -> None:
     assert run.out is not None, "the attend failed"
     during = [p for p in run.polls if p[1] > run.sent and p[2] < run.answered]

@@ -91,13 +91,18 @@ def test_the_store_killed_between_count_and_read_commits_nothing(redis_server: R
     asyncio.run(scenario())
 
 
+SECRET = "a9c3f1e07b2d4c58a9c3f1e07b2d4c58"
+
+
+@pytest.mark.parametrize("secret", ["", SECRET], ids=["checksum", "sealed"])
 @pytest.mark.parametrize("path", ["direct", "staged"])
-def test_pages_come_back_whole_bit_for_bit_with_fp8_scales(redis_server: RedisServer, path: str) -> None:
+def test_pages_come_back_whole_bit_for_bit_with_fp8_scales(redis_server: RedisServer, path: str, secret: str) -> None:
     """An FP8 page is two parts in the pool (K/V, scales): each value is received into both, or (staged:
-    as on a CUDA pool) into host rows copied in by the engine."""
+    as on a CUDA pool) into host rows copied in by the engine. Sealed, the MAC of the two parts as received
+    is the one made over the page in one piece when it was written."""
 
     async def scenario() -> None:
-        state = make_state(redis_server, **FORMATS["fp8"])
+        state = make_state(redis_server, remote_secret=secret, **FORMATS["fp8"])
         storage, seqs = state.storage, state.sequences
         if path == "staged":
             remote_tier(state).codec._host_parts = None  # the pool's pages not addressable from the host
@@ -178,9 +183,6 @@ def test_a_bad_entry_of_any_shape_is_rejected_and_the_pages_before_it_come_back(
     asyncio.run(scenario())
 
 
-SECRET = "a9c3f1e07b2d4c58a9c3f1e07b2d4c58"
-
-
 @pytest.mark.parametrize("reader", ["resp", "redis-py"])
 def test_with_a_secret_only_entries_made_with_it_are_loaded(redis_server: RedisServer, reader: str) -> None:
     """KVPOOL_REMOTE_SECRET: page 1 forged in the store (other K/V with the checksum recomputed as the
@@ -194,17 +196,20 @@ def test_with_a_secret_only_entries_made_with_it_are_loaded(redis_server: RedisS
             store, stats, hashes = await evicted_through(state, redis_server, reader)
             client, entries = redis_server.client(), store.entries
             assert sorted(k.decode() for k in client.keys()) == sorted(entries.key(h) for h in hashes)
-            assert entries.key(hashes[0]).startswith("kvpool:v2m:")  # not where unsealed entries go
+            assert entries.key(hashes[0]).startswith("kvpool:v3m:")  # not where unsealed entries go
             toks = [token_bytes(prompt(1)[j * 4 : (j + 1) * 4]) for j in range(4)]
             forged = torch.randn(256, generator=torch.Generator().manual_seed(9)).numpy().tobytes()
             plain = EntryFormat(entries.geometry, Checksum())  # the attacker's: the format, no secret
             wrong_secret = EntryFormat(entries.geometry, KeyedMac(b"not the secret, 32 bytes long..."))
             sealed = bytearray(client.get(entries.key(hashes[3])))  # type: ignore[arg-type]
             sealed[-40] ^= 1  # a byte of the page, under the tag the secret made
+            resalted = bytearray(client.get(entries.key(hashes[1])))  # type: ignore[arg-type]
+            resalted[entries.header_nbytes(hashes[1], toks[1]) - 1] ^= 1  # its salt: the header is in the key
             attempts = [
                 plain.encode(hashes[1], toks[1], forged),
                 wrong_secret.encode(hashes[1], toks[1], forged),
                 bytes(sealed),
+                bytes(resalted),
             ]
             rejected = 0
             for attempt in attempts:
