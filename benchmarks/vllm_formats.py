@@ -134,6 +134,10 @@ class Server:
         # vLLM picks its threads per process, and the P/D timing compared a producer and a server alone that
         # differed (+50 % there, +11 % with OMP_NUM_THREADS=2 for both, on the same loaded machine).
         env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+        # ... and bound to the same cores: vLLM CPU's automatic binding reserves a core for its scheduler, and
+        # one more when a KV connector is set, so a server without one got one core and the producer both
+        # (session 11: the producer's call then took 0.56x the server alone's).
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.kv_role = kv_role
         if wait:
