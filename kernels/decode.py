@@ -23,7 +23,7 @@ from kernels.checks import (
     pages_in_pool,
 )
 from kernels.options import AttendOptions
-from kernels.paged import LN2, LOG2E, NO_WINDOW, _dot, _kv_row_offsets, _softcap
+from kernels.paged import LN2, LOG2E, NO_WINDOW, _dot, _kv_pages, _softcap
 
 MAX_SPLITS = 32
 
@@ -120,16 +120,15 @@ def _decode_kernel(
     for tile_lo in range(lo, hi, BLOCK_N):
         pos = tile_lo + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        rows = _kv_row_offsets(
-            lut_row_ptr, pos, hi, lut_cols, num_pages, stride_blocks_page, stride_blocks_token, PAGE_SIZE
-        )
+        page, token = _kv_pages(lut_row_ptr, pos, hi, lut_cols, num_pages, PAGE_SIZE)  # one LUT read a tile
+        rows = page * stride_blocks_page + token * stride_blocks_token
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_base + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IS_FP8:
             # Half the bytes of a 16-bit pool; the values are widened in registers. One scale per (token,
             # head) is folded into the scores and probabilities; per-channel-group scales scale the tile.
-            srows = _kv_row_offsets(lut_row_ptr, pos, hi, lut_cols, num_pages, stride_s_page, stride_s_token, PAGE_SIZE)
+            srows = page * stride_s_page + token * stride_s_token
             wide = tl.float32 if UPCAST_DOT else q.dtype
             if NUM_SCALE_GROUPS == 1:
                 k_scale = tl.load(ks_base + srows, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_N]
@@ -257,6 +256,7 @@ def paged_decode(
         raise ValueError(f"num_splits must be a power of 2 in [1, {MAX_SPLITS}], not {splits}")
     block_n = check_block("block_n", block_n or 64)
     launch = Launch(splits, block_n, num_warps, num_stages)
+    lse = lse if return_lse else None  # (a buffer given without return_lse is never written)
     decode_launch(q, blocks, None, layer, a.lookup_table, a.cache_lengths, out, lse, launch, **options)
     return (out, lse) if return_lse and lse is not None else out
 

@@ -29,10 +29,18 @@ def _kv_row_offsets(
     page (the sentinel, or garbage) all resolve to the null page (index num_pages, the sentinel of
     service.core.layout), so no load ever leaves the pool.
     """
+    page, token = _kv_pages(lut_row_ptr, pos, kv_end, lut_cols, num_pages, PAGE_SIZE)
+    return page * stride_blocks_page + token * stride_blocks_token
+
+
+@triton.jit
+def _kv_pages(lut_row_ptr, pos, kv_end, lut_cols, num_pages, PAGE_SIZE: tl.constexpr):
+    """pos: [BLOCK_N] -> (int64 page, int64 token within it), as _kv_row_offsets resolves them: for a kernel
+    that addresses two tensors of the same pages (an FP8 pool's values and scales) from one LUT read."""
     col = pos // PAGE_SIZE
     page = tl.load(lut_row_ptr + col, mask=(pos < kv_end) & (col < lut_cols), other=num_pages)
     page = tl.where((page >= 0) & (page < num_pages), page, num_pages).to(tl.int64)
-    return page * stride_blocks_page + (pos % PAGE_SIZE).to(tl.int64) * stride_blocks_token
+    return page, (pos % PAGE_SIZE).to(tl.int64)
 
 
 @triton.jit

@@ -127,15 +127,14 @@ class AttachedPool:
             from kernels.store import store_kv
 
             store_kv(self.blocks, k, v, flat, layer)
-        elif layer is None:
-            pages, offsets = flat // self.page_size, flat % self.page_size
-            # blocks[pages, 0, :, offsets]: [T, L, H, D]
-            self.blocks[pages, 0, :, offsets] = k.transpose(0, 1)
-            self.blocks[pages, 1, :, offsets] = v.transpose(0, 1)
         else:
             pages, offsets = flat // self.page_size, flat % self.page_size
-            self.blocks[pages, 0, layer, offsets] = k
-            self.blocks[pages, 1, layer, offsets] = v
+            if layer is None:  # blocks[pages, 0, :, offsets]: [T, L, H, D]
+                self.blocks[pages, 0, :, offsets] = k.transpose(0, 1)
+                self.blocks[pages, 1, :, offsets] = v.transpose(0, 1)
+            else:
+                self.blocks[pages, 0, layer, offsets] = k
+                self.blocks[pages, 1, layer, offsets] = v
         if self.device.type == "cuda":
             # The server reads on its own stream in another process: the data must be there first.
             torch.cuda.synchronize(self.device)

@@ -104,8 +104,7 @@ class PageCodec:
         """uint8 [n, page_nbytes] on the host: one copy per run of consecutive pages."""
         out = torch.empty((len(pages), self.page_nbytes), dtype=torch.uint8)
         for i, first, _, count in paired_runs(pages, pages):
-            self.read_run(first, count, out[i : i + count])
-        self.settle()
+            self.read_run(first, count, out[i : i + count])  # (into pageable memory: each copy waits)
         return out
 
     def scatter(self, pages: list[int], data: torch.Tensor) -> None:
