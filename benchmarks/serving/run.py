@@ -61,10 +61,12 @@ def profile(quick: bool) -> tuple[ModelShape, Sizes, Workload, list[float]]:
         return shape, sizes, work, [4.0]
     # A prefill of the bench's 544 tokens takes 0.1-0.4 s on one core here (as loaded as the machine is).
     shape = ModelShape(layers=8, hidden=512, kv_heads=2, max_len=1536)
-    # The QA's shared system prompt is a small part of each prompt, as in LMCache's own runs of it (1,000
-    # tokens against a user history of 20,000): most of a prompt is the user's own context and history.
+    # Each bench prefix comes back 8 times (vLLM's own default for the dataset: 100): with 5, a prefix's
+    # first prompt, always a miss, capped the cached fraction at 0.75. The QA's shared system prompt is a
+    # small part of each prompt, as in LMCache's own runs of it (1,000 tokens against a user history of
+    # 20,000): most of a prompt is the user's own context and history.
     work = Workload(
-        prefix_len=512, suffix_len=32, num_prefixes=8, output_len=16, per_prefix=5, users=8, rounds=4,
+        prefix_len=512, suffix_len=32, num_prefixes=8, output_len=16, per_prefix=8, users=8, rounds=4,
         system_prompt=128, user_history=768, answer_len=16, qa_qps=1.5, qa_time_s=25,
     )  # fmt: skip
     # vLLM's own cache: 1,600 tokens (the longest prompt, 1,536, and its null block; under 3 of the bench's
@@ -72,7 +74,7 @@ def profile(quick: bool) -> tuple[ModelShape, Sizes, Workload, list[float]]:
     # 64,000 tokens (every prefix and history).
     sizes = Sizes(kv_cache_bytes=1600 * shape.kv_bytes_per_token, max_len=1536, kvpool_pages=4000, redis_bytes=1 << 30)
     # 3 req/s: where one engine alone (a) queues, its p50 TTFT over 3x its unloaded one (2.5 gave 2.9x).
-    return shape, sizes, work, [1.0, 3.0]
+    return shape, sizes, work, [1.5, 3.0]
 
 
 def percentile(values: list[float], q: float) -> float:
