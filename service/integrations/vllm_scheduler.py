@@ -46,6 +46,9 @@ from service.integrations.vllm_saves import Append, Appended, append_all, free_a
 from service.integrations.vllm_thread import ConnectorThread
 
 LOAD_WAIT_POLL_S = 0.005  # a consumer's lookup asks kvpool again this often while it waits
+# Frees wait this long at most for a step call with saves to ride on while the engine has requests (an engine
+# with none sends them at once): under load, a call of frees alone cost about what a free each did.
+FREE_WAIT_S = 0.25
 Planned = tuple[str, int, tuple[str, int] | None]  # a save: request, its tokens [0, end) saved, (sequence, length)
 
 if TYPE_CHECKING:
@@ -102,6 +105,7 @@ class KVPoolConnectorScheduler:
         self._held: dict[str, Held] = {}
         self._to_commit: set[str] = set()  # held sequences with written pages not committed yet
         self._to_free: list[str] = []  # sequences released (committing) since the last step call: ride on the next
+        self._free_since = 0.0  # when the oldest of them was released (monotonic)
         self._next_save_id = 0
         self.worker_stats: Counter[str] = Counter()  # the workers' counters, summed over the ranks
 
@@ -346,21 +350,26 @@ class KVPoolConnectorScheduler:
         for held in self._held.values():
             self._release(held.seq_id)  # written by every rank: committed
         self._held.clear()
-        self._flush_frees()
+        self._flush_frees(now=True)
 
     def _release(self, seq_id: str, commit: bool = True) -> None:
-        """Free a sequence: on the next step call (its pages committed), which the next step's saves make or
-        _flush_frees, at the end of the step, sends; commit=False: now, on the connector's thread, its pages
-        not committed yet released uncommitted. vLLM's scheduler does not wait for either."""
+        """Free a sequence: on a later step call (its pages committed), the next with saves or one of frees
+        alone that _flush_frees sends; commit=False: now, on the connector's thread, its pages not committed
+        yet released uncommitted. vLLM's scheduler does not wait for either."""
         self._to_commit.discard(seq_id)
         if commit:
+            if not self._to_free:
+                self._free_since = time.monotonic()
             self._to_free.append(seq_id)
         else:
             self._submit_release(lambda: self._link.discard(seq_id))
 
-    def _flush_frees(self) -> None:
-        """The sequences released since the last step call, freed in one call on the connector's thread."""
-        if self._to_free:
+    def _flush_frees(self, now: bool = False) -> None:
+        """The sequences released since the last step call, freed in one call on the connector's thread: when
+        the engine has no request left, when the oldest has waited FREE_WAIT_S for a saves call, or `now`."""
+        if not self._to_free:
+            return
+        if now or not self._requests or time.monotonic() - self._free_since >= FREE_WAIT_S:
             frees, self._to_free = self._to_free, []
             self._submit_release(lambda: free_all(self._link, frees))
 
