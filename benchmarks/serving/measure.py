@@ -89,6 +89,7 @@ def routing(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "routed": [a - b for a, b in zip(after["routed"], before["routed"])],
         "route_ms_per_request": (after["route_ns"] - before["route_ns"]) / 1e6 / chosen if chosen else 0.0,
         "tokenized_here": after["tokenized_here"],
+        "tokenizer_checked": after["checked"],  # requests whose ids vLLM's /tokenize confirmed (so far, in all)
         "tokenizer_mismatches": after["mismatches"],
     }
 

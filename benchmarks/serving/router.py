@@ -17,8 +17,8 @@ draw every request to the first node that held it. The prompt's token ids come f
 tokenizer in this process (`--model`: its chat template rendered as vLLM renders it), as Dynamo's
 frontend tokenizes before its KV router: a round trip to a busy engine's `POST /tokenize` cost a routed
 request tens of milliseconds. The first requests are also tokenized by the first backend's `POST
-/tokenize` (vLLM renders and tokenizes exactly as it will serve); if the two ever differ, or without
-`--model`, the router asks the backend for every request.
+/tokenize` (vLLM renders and tokenizes exactly as it will serve), beside the request; if the two ever
+differ, or without `--model`, the router asks the backend for every request after.
 
 Every proxied completion is logged (one JSON line: path, body, backend, status, error), which is
 how the benchmark counts failed requests and samples requests to replay.
@@ -68,6 +68,7 @@ class Router:
             self.tokenizer = AutoTokenizer.from_pretrained(args.model)
         self.checked = 0  # requests whose local token ids the backend's agreed with
         self.mismatches = 0
+        self.checks: set[asyncio.Task[None]] = set()
 
     def local_ids(self, path: str, body: dict[str, Any]) -> list[int]:
         if path == "v1/chat/completions":
@@ -81,12 +82,17 @@ class Router:
         if self.tokenizer is None or self.mismatches:
             return await self.backend_ids(path, body)
         ids = self.local_ids(path, body)
-        if self.checked < CHECKED:
-            if ids != await self.backend_ids(path, body):
-                self.mismatches += 1  # from now on the backend tokenizes
-                return await self.backend_ids(path, body)
-            self.checked += 1
+        if self.checked + len(self.checks) < CHECKED:  # checked beside the request, not before it
+            task = asyncio.create_task(self.check(path, body, ids))
+            self.checks.add(task)
+            task.add_done_callback(self.checks.discard)
         return ids
+
+    async def check(self, path: str, body: dict[str, Any], ids: list[int]) -> None:
+        if ids == await self.backend_ids(path, body):
+            self.checked += 1
+        else:
+            self.mismatches += 1  # from now on the backend tokenizes
 
     async def backend_ids(self, path: str, body: dict[str, Any]) -> list[int]:
         ask: dict[str, Any] = {"model": body.get("model", MODEL_NAME)}
