@@ -144,7 +144,7 @@ class KVPoolConnectorScheduler:
             link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
             return info
 
-        info = self._thread.run(lookup)
+        info = self._thread.call(lookup)
         if info is None:
             return None
         if info.cached_tokens < expected:
@@ -205,7 +205,7 @@ class KVPoolConnectorScheduler:
         # them, with the commits of written saves and the frees of finished requests riding along; a create
         # first for a save with no sequence).
         kept = {h.seq_id for h in held.values()}
-        appended = self._thread.run(lambda: self._append(planned, commit, kept, frees))
+        appended = self._thread.call(lambda: self._append(planned, commit, kept, frees))
         if appended is None:  # kvpool unusable now: no save this step; the held sequences stay held
             self._held.update(held)
             self._to_commit.update(commit)

@@ -3,7 +3,8 @@ one each, all called "kvpool-connector"): every kvpool call and K/V copy of that
 
 - One thread owns the connector's KVPoolLink (the worker's mapped pool is replaced on a reconnect: a
   load on one thread while another remaps would read unmapped memory), so nothing needs a lock around it.
-- `run` jobs are waited for and go ahead of queued `submit` jobs, which are not waited for. Worker
+- `run` jobs are waited for and go ahead of queued `submit` jobs, which are not waited for; a `call` job
+  runs on the caller's thread when this one is idle (the scheduler's lookups and appends). Worker
   side: loads (the forward needs them) and saves (vLLM's step goes on while they run, and vLLM keeps a
   finished request's blocks until the connector reports its saves done, in get_finished). Scheduler
   side: lookups and the appends of saves (waited for), and the releases of pins and saves. At most
@@ -56,6 +57,23 @@ class ConnectorThread:
             raise err[0]
         return out[0]
 
+    def call(self, fn: Callable[[], T]) -> T:
+        """fn() on the caller's thread if this one is idle (it starts nothing meanwhile: one thread at a time
+        uses the link), else as run() does. The scheduler's lookups and appends: under load each hand-over
+        to this thread and back waited for a core and the GIL, longer than the call to kvpool itself."""
+        with self._cv:
+            idle = not (self._loads or self._saves or self._busy or self._closed)
+            if idle:
+                self._busy = True
+        if not idle:
+            return self.run(fn)
+        try:
+            return fn()
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
     def submit(self, fn: Callable[[], None]) -> bool:
         """Queue fn() behind the other saves; waits while max_saves are queued. True if it had to wait."""
         return self._put(self._saves, fn, limit=self.max_saves)
@@ -89,7 +107,8 @@ class ConnectorThread:
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
-                self._cv.wait_for(lambda: self._loads or self._saves or self._closed)
+                # (_busy here: a caller runs a job of its own, call(); the queued ones wait for it)
+                self._cv.wait_for(lambda: (self._loads or self._saves or self._closed) and not self._busy)
                 if not (self._loads or self._saves):
                     return  # closed, nothing left
                 fn = (self._loads or self._saves).popleft()

@@ -57,3 +57,44 @@ def test_a_full_save_queue_makes_the_caller_wait_and_close_runs_what_is_queued()
     assert done == [1, 2, 3]
     with pytest.raises(RuntimeError, match="closed"):
         thread.submit(lambda: None)
+
+
+def test_call_runs_on_the_callers_thread_when_idle_and_holds_queued_jobs_back_meanwhile() -> None:
+    thread = ConnectorThread(max_saves=4)
+    here = threading.current_thread().name
+    assert thread.call(lambda: threading.current_thread().name) == here
+    order: list[str] = []
+    inside, leave = threading.Event(), threading.Event()
+
+    def own_job() -> str:
+        inside.set()
+        leave.wait()
+        order.append("call")
+        return threading.current_thread().name
+
+    caller = threading.Thread(target=lambda: order.append(thread.call(own_job)), name="scheduler")
+    caller.start()
+    inside.wait()
+    thread.submit(lambda: order.append("save"))  # queued while the caller uses the link: waits for it
+    time.sleep(0.05)
+    assert order == []
+    leave.set()
+    caller.join()
+    thread.drain()
+    assert order == ["call", "scheduler", "save"]
+    # Busy: a call goes to the thread, after the job running there.
+    gate, started = threading.Event(), threading.Event()
+    thread.submit(lambda: (started.set(), gate.wait()))
+    started.wait()
+    answer: list[str] = []
+    waiting = threading.Thread(target=lambda: answer.append(thread.call(lambda: threading.current_thread().name)))
+    waiting.start()
+    waiting.join(0.1)
+    assert waiting.is_alive()
+    gate.set()
+    waiting.join()
+    assert answer == ["kvpool-connector"]
+    with pytest.raises(ZeroDivisionError):
+        thread.call(lambda: 1 // 0)
+    assert thread.call(lambda: 5) == 5  # the thread idle again after a job that raised
+    thread.close()
