@@ -326,12 +326,13 @@ def main(argv: list[str] | None = None) -> int:
 def write_report(report: dict[str, Any], out: Path) -> None:
     """The targets judged, serving.json and the plots written, the verdicts printed."""
     from benchmarks.serving.plots import hit_plot, ttft_plot
+    from benchmarks.serving.targets import results_table
 
     (out / "serving.json").write_text(json.dumps(report, indent=1))  # the figures first, whatever follows
     report["targets"] = check_targets(report["runs"])
     (out / "serving.json").write_text(json.dumps(report, indent=1))
     ttft_plot(report["runs"], out / "serving_ttft.png")
     hit_plot(report["runs"], out / "serving_hits.png")
-    for line in report["targets"]["lines"]:
+    for line in [*results_table(report["runs"]), "", *report["targets"]["lines"]]:
         print(line)
     print(f"wrote {out / 'serving.json'} and the plots")

@@ -99,3 +99,28 @@ def check_targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "replays", replays > 0 and same == replays, f"replays one at a time identical to vLLM alone: {same}/{replays}"
     )
     return {"lines": lines, "checks": checks}
+
+
+def results_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Every run as a row of a Markdown table (docs/fleet.md shows the last full run's)."""
+    lines = [
+        "| config | client | rate | requests | TTFT p50 / p90 / p99 / mean (ms) | ITL p50 (ms) | out tok/s | cached "
+        "(vLLM + kvpool) | kvpool hit rate | connector ms/req | kvpool HTTP ms/req | routing ms/req |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        s = r["server"]
+        client = "bench" if r["client"] == BENCH else "QA"
+        rate = "1 at a time" if r["unloaded"] else f"{r['rate']:g}"
+        ttft = " / ".join(f"{r[f'ttft_{k}_ms']:.0f}" for k in ("p50", "p90", "p99", "mean"))
+        with_pool = "connector_ms_per_request" in r
+        hits = f"{connector_hit_rate([r]):.2f}" if with_pool else "–"
+        conn = f"{r['connector_ms_per_request']:.1f}" if with_pool else "–"
+        http = f"{r['kvpool_http_ms_per_request']:.1f}" if with_pool else "–"
+        route = r.get("router", {}).get("route_ms_per_request") or 0
+        lines.append(
+            f"| {r['config']} | {client} | {rate} | {r['completed']}/{r['requests']} | {ttft} | "
+            f"{r['itl_p50_ms']:.1f} | {r['output_tok_s']:.1f} | {s['cached_fraction']:.2f} | {hits} | {conn} | "
+            f"{http} | {f'{route:.1f}' if route else '–'} |"
+        )
+    return lines
