@@ -13,7 +13,7 @@ fresh engine with the connector (its own prefix cache off) times the kvpool hits
 of a generate() with one new token; "total" generates --new tokens. A hit's prompt shares all but its
 last 64 tokens with a miss's. Before each timed request the connector's queued saves (of the request
 before) finish: each request meets an idle engine. Every engine runs with glibc's malloc thresholds fixed
-(FIXED_MALLOC; `--malloc glibc` leaves glibc's defaults).
+(benchmarks.vllm_engine.FIXED_MALLOC; `--malloc glibc` leaves glibc's defaults).
 
 The copies' rates (the K and V of every layer of the tokens moved, bytes counted once) are set against a
 torch copy of as many bytes in the same process, a ceiling that is not one number here, so three of them:
@@ -27,10 +27,12 @@ per kvpool hit, and the process's first load (its warm-up's: page tables and cac
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import random
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,14 +40,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.processes import stop
+from benchmarks.vllm_engine import REPO, EngineProcess, build_llm, engine_env, settle
+
 SUFFIX = 64
 ITEM_BYTES = {"float32": 4, "bfloat16": 2}
 FLUSH_BYTES = 128 << 20  # written between cold copies: larger than the last-level cache
-# glibc's malloc, left to adjust its thresholds, hands vLLM's activations back to the OS and faults them in
-# again: 25,000-80,000 page faults per 2,048-token prefill, a different number in each process (tens of ms
-# between two engines). Fixed thresholds keep them (every engine alike; vLLM's CPU docs preload tcmalloc).
-FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 def make_model(path: Path, layers: int, hidden: int, dtype: str) -> None:
@@ -70,33 +70,17 @@ def prompts(seed: int, length: int) -> tuple[list[int], list[int]]:
 
 
 def engine_main(config: dict[str, Any]) -> None:
-    """One engine, driven over stdin: a line {"run": [name, token_ids, max_tokens]} answers "RESULT" and
+    """One engine, driven over stdin (Engine): a line {"run": [name, token_ids, max_tokens]} answers
     {"s", "cached"} (the wall time of its generate()); {"finish": token_ids} answers the connector's counters,
     the copy ceiling and (given token_ids whose pages kvpool holds) the connector's copies."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    faulthandler.register(signal.SIGUSR1)  # EngineProcess.read dumps this process's stacks when it does not answer
+    spent = time_vllm_parts()
+    tp = config.get("tensor_parallel_size", 1)
+    llm = build_llm({**config, "max_model_len": 4096, "kv_cache_memory_bytes": (1 << 30) // tp}, {})
     import torch
-    from vllm import LLM, SamplingParams, TokensPrompt
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams, TokensPrompt
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    spent = time_vllm_parts()
-    transfer = None
-    if config["kvpool_url"]:
-        transfer = KVTransferConfig(
-            kv_connector="KVPoolConnector", kv_connector_module_path="service.integrations.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"kvpool_url": config["kvpool_url"]},
-        )  # fmt: skip
-    tp = config.get("tp", 1)
-    parallel: dict[str, Any] = {
-        "tensor_parallel_size": tp,
-        **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
-    }
-    llm = LLM(
-        model=config["model"], skip_tokenizer_init=True, dtype=config["dtype"], enforce_eager=True, block_size=32,
-        max_model_len=4096, enable_prefix_caching=config["prefix_caching"],
-        kv_cache_memory_bytes=(1 << 30) // tp, kv_transfer_config=transfer, **parallel,
-        kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
-    )  # fmt: skip
     # Warm-up on a full-length prompt of its own (the first long prefill of a process pays allocations).
     warm = [TokensPrompt(prompt_token_ids=[3 + i % 1000 for i in range(config["warmup_tokens"])])]
     llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
@@ -106,7 +90,7 @@ def engine_main(config: dict[str, Any]) -> None:
     connector: Any = client.engine_core.scheduler.connector
     worker: Any = get_kv_transfer_group() if has_kv_transfer_group() else None
     # The warm-up's loads (a fresh engine finds its prompt in kvpool): the process's first copies.
-    print("RESULT " + json.dumps({"ready": True, "stats": load_stats(connector, llm)}), flush=True)
+    print(json.dumps({"ready": True, "stats": load_stats(connector, llm)}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if "run" in command:
@@ -130,23 +114,7 @@ def engine_main(config: dict[str, Any]) -> None:
             ceiling = copy_ceiling(config["warmup_tokens"] * config["token_bytes"])
             copies = measure_copies(worker, command["finish"]) if worker is not None else {}
             answer = {"stats": stats, "ceiling": ceiling, "copies": copies, "threads": torch.get_num_threads()}
-        print("RESULT " + json.dumps(answer), flush=True)
-
-
-def settle(llm: Any, timeout_s: float = 60.0) -> dict[str, int]:
-    """Step an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) until every rank has reported every save of
-    its connector and the scheduler's commits are done (an idle in-process engine takes no steps by itself);
-    the scheduler connector's counters, with its workers' summed, or {} without a connector."""
-    core = llm.llm_engine.engine_core.engine_core  # (an InprocClient's EngineCore: internals, for tests)
-    connector = core.scheduler.connector
-    if connector is None:
-        return {}
-    deadline = time.monotonic() + timeout_s
-    while connector.pending_saves and time.monotonic() < deadline:
-        core.step_fn()  # the workers' reports come back with each step's output, saving or not
-        time.sleep(0.001)
-    connector.wait_for_saves()
-    return dict(connector.stats)
+        print(json.dumps(answer), flush=True)
 
 
 def load_stats(connector: Any, llm: Any) -> dict[str, int]:
@@ -235,7 +203,7 @@ def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dic
         link.client.free("bench-copies")
 
 
-class Engine:
+class Engine(EngineProcess):
     """One engine process (engine_main), alive until close(): requests are timed in it one at a time."""
 
     def __init__(
@@ -255,50 +223,25 @@ class Engine:
         config.update(extra)
         config["dtype"] = dtype
         config["warmup_tokens"] = prompt_len
-        config["tp"] = tp
-        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(FIXED_MALLOC if fixed_malloc else {})}
-        if tp > 1:  # vLLM's CPU workers: one core each (its automatic binding refuses two workers on one NUMA node)
-            cores = sorted(os.sched_getaffinity(0))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(tp))
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.vllm_connector", "--engine", json.dumps(config)],
-            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-        )  # fmt: skip
-        self.ready = self._answer()  # {"ready", "stats": the warm-up's loads}
-
-    def _answer(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:  # vLLM logs on stdout too
-            if line.startswith("RESULT "):
-                return dict(json.loads(line[len("RESULT ") :]))
-        self.log.seek(0)
-        raise RuntimeError(f"the engine exited ({self.proc.wait()}):\n{self.log.read()[-3000:]}")
-
-    def _send(self, command: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
+        config["tensor_parallel_size"] = tp
+        argv = ["benchmarks.vllm_connector", "--engine"]
+        super().__init__(argv, config, None, engine_env(tp, fixed_malloc))
+        try:
+            self.ready = self.read(None)  # {"ready", "stats": the warm-up's loads}
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, token_ids: list[int], max_tokens: int) -> dict[str, Any]:
         """{"s": the wall time of the generate(), "cached": tokens it found cached, "parts", "faults", ...}."""
-        return self._send({"run": ["", token_ids, max_tokens]})
+        self.write({"run": ["", token_ids, max_tokens]})
+        return self.read(None)
 
     def finish(self, copies_of: list[int]) -> dict[str, Any]:
-        answer = self._send({"finish": copies_of})
+        self.write({"finish": copies_of})
+        answer = self.read(None)
         self.close()
         return answer
-
-    def close(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()  # the engine leaves its loop and exits
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -416,8 +359,7 @@ def main() -> None:
         finally:
             for engine in engines:
                 engine.close()
-            server.terminate()
-            server.wait(30)
+            stop(server)
     report(args, rounds, hits, alone_result, first, fresh)
 
 

@@ -20,6 +20,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from benchmarks.processes import stop
 from benchmarks.vllm_connector import SUFFIX, Engine, cpu_pressure, make_model, ms, prompts, start_kvpool, token_bytes
 
 
@@ -64,8 +65,7 @@ def run_tp(args: argparse.Namespace, tmp: str) -> None:
             finally:
                 current.close()
     finally:
-        server.terminate()
-        server.wait(30)
+        stop(server)
     report_tp(args, results, pressure)
 
 

@@ -29,7 +29,9 @@ from typing import Any
 import httpx
 
 from benchmarks.pd_proxy import complete
-from benchmarks.vllm_connector import FIXED_MALLOC, REPO, Engine, make_model, prompts, start_kvpool
+from benchmarks.processes import stop
+from benchmarks.vllm_connector import Engine, make_model, prompts, start_kvpool
+from benchmarks.vllm_engine import FIXED_MALLOC, REPO
 
 PAGE = 16
 
@@ -89,8 +91,7 @@ def run_format(args: argparse.Namespace) -> None:
                 finally:
                     engine.close()  # (the saving engine's queued saves run at its exit)
         finally:
-            server.terminate()
-            server.wait(30)
+            stop(server)
     cold = median([r["s"] for r in runs["alone"]])
     hit = median([r["s"] for r in runs["fresh"]])
     cached = [r["cached"] for r in runs["fresh"]]
@@ -153,14 +154,7 @@ class Server:
             ) from None
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        stop(self.proc, timeout=60, close=[self.log])
 
 
 def run_pd(args: argparse.Namespace) -> None:
@@ -208,8 +202,7 @@ def run_pd(args: argparse.Namespace) -> None:
         finally:
             for server in servers:
                 server.close()
-            kvpool.terminate()
-            kvpool.wait(30)
+            stop(kvpool)
     full = [len(p) // PAGE * PAGE for p in prompt_set]
     cached = [r["pd"]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in rows]
     shares = [c / f for c, f in zip(cached, full, strict=True)]
