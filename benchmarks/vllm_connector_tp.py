@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.processes import stop
-from benchmarks.vllm_connector import SUFFIX, Engine, cpu_pressure, make_model, ms, prompts, start_kvpool, token_bytes
+from benchmarks.vllm_connector import SUFFIX, cpu_pressure, make_model, ms, prompts, start_kvpool, token_bytes
+from benchmarks.vllm_timed_engine import Engine
 
 
 def run_tp(args: argparse.Namespace, tmp: str) -> None:

@@ -13,8 +13,8 @@ them, and the scheduler commits them), and answers one line: {"outputs": [{"toke
 "num_cached_tokens"}], "stats": the connector's counters}. A line {"kill_rank": r, "token_ids": [...]}
 generates one prompt and SIGKILLs worker rank r at once, as that rank saves it. The engine core runs in
 this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); with tensor or pipeline parallelism its workers are
-processes of their own (the "ready" line names their pids). Engine (below) drives it; benchmarks.vllm_connector
-runs an engine of its own (timed requests) on build_llm and EngineProcess.
+processes of their own (the "ready" line names their pids). Engine (below) drives it; the connector
+benchmarks' engine (benchmarks.vllm_timed_engine: timed requests) is built on build_llm and EngineProcess.
 """
 
 import faulthandler

@@ -4,7 +4,7 @@
 
 mla, fp8_*, full-hit: vLLM alone (no connector), then an engine with the connector (computes and saves the
 prompts), then a fresh engine with the connector (loads them), each in its own process with the same
-thread settings (vllm_connector.Engine: a warm-up prompt, glibc's malloc thresholds fixed); every prompt
+thread settings (vllm_timed_engine.Engine: a warm-up prompt, glibc's malloc thresholds fixed); every prompt
 is `--prompt` tokens, timed by its time to first token. Printed against the targets: a fresh-process hit
 <= 0.25x vLLM alone's cold TTFT, tokens equal vLLM alone's, and an exact repeat caching >= prompt - page
 tokens (2,032 of 2,048: page 16, block 32).
@@ -30,8 +30,9 @@ import httpx
 
 from benchmarks.pd_proxy import complete
 from benchmarks.processes import stop
-from benchmarks.vllm_connector import Engine, make_model, prompts, start_kvpool
+from benchmarks.vllm_connector import make_model, prompts, start_kvpool
 from benchmarks.vllm_engine import FIXED_MALLOC, REPO
+from benchmarks.vllm_timed_engine import Engine
 
 PAGE = 16
 
