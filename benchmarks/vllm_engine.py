@@ -90,14 +90,14 @@ def build_llm(config: dict[str, Any], connector_options: dict[str, Any]) -> Any:
 
 def settle(llm: Any, timeout_s: float = 60.0) -> dict[str, int]:
     """Step an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) until every rank has reported every save of
-    its connector and the scheduler's commits are done (an idle in-process engine takes no steps by itself);
+    its connector and the scheduler's commits and frees are done (an idle in-process engine takes no steps by itself);
     the scheduler connector's counters, with its workers' summed, or {} without a connector."""
     core = llm.llm_engine.engine_core.engine_core  # (an InprocClient's EngineCore: internals, for tests)
     connector = core.scheduler.connector
     if connector is None:
         return {}
     deadline = time.monotonic() + timeout_s
-    while connector.pending_saves and time.monotonic() < deadline:
+    while connector.has_pending_push_work() and time.monotonic() < deadline:  # saves to report, frees to send
         core.step_fn()  # the workers' reports come back with each step's output, saving or not
         time.sleep(0.001)
     connector.wait_for_saves()

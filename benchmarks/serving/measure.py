@@ -22,7 +22,12 @@ LABELS = (
     "source",
     "finished_reason",
     "counter",
-)  # the labels kept apart; the others (engine, model, route...) are summed
+    "route",
+    "method",
+)  # the labels kept apart; the others (engine, model, status...) are summed
+
+# The benchmark's calls to kvpool (scrape, wait_idle, reset), not the engines' or the routers'.
+OWN_CALLS = ("GET /metrics", "GET /v1/pool", "POST /v1/prefix_cache/reset")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -69,6 +74,26 @@ def reset(engines: list[str], kvpools: list[str], redis_url: str = "") -> None:
             store.flushall()
 
 
+def router_stats(url: str) -> dict[str, Any]:
+    """The routing proxy's counters (benchmarks/serving/router.py: GET /router/stats)."""
+    answer = httpx.get(f"{url}/router/stats", timeout=30)
+    answer.raise_for_status()
+    return dict(answer.json())
+
+
+def routing(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the proxy did during a run: requests per backend, and for the prefix policies the time spent
+    choosing (tokenizing, asking the index) per routed request, and where the prompts were tokenized."""
+    chosen = after["chosen"] - before["chosen"]
+    return {
+        "routed": [a - b for a, b in zip(after["routed"], before["routed"])],
+        "route_ms_per_request": (after["route_ns"] - before["route_ns"]) / 1e6 / chosen if chosen else 0.0,
+        "tokenized_here": after["tokenized_here"],
+        "tokenizer_checked": after["checked"],  # requests whose ids vLLM's /tokenize confirmed (so far, in all)
+        "tokenizer_mismatches": after["mismatches"],
+    }
+
+
 def wait_idle(kvpools: list[str], timeout_s: float = 60) -> int:
     """Waits until no kvpool page is used (the connectors' queued saves done, every pin released); the
     used pages left when `timeout_s` ran out (0: all released)."""
@@ -86,10 +111,7 @@ def summarize(counters: dict[str, dict[str, float]]) -> dict[str, Any]:
     local = v.get("vllm:prompt_tokens_by_source_total{source=local_cache_hit}", 0.0)
     external = v.get("vllm:prompt_tokens_by_source_total{source=external_kv_transfer}", 0.0)
     queries = k.get("kvpool_prefix_cache_queries_total", 0.0)
-    http_s, http_n = (
-        k.get("kvpool_request_duration_seconds_sum", 0.0),
-        k.get("kvpool_request_duration_seconds_count", 0),
-    )
+    http = _by_route(k)
     return {
         "prompt_tokens": prompt,
         "cached_tokens_vllm": local,
@@ -106,8 +128,10 @@ def summarize(counters: dict[str, dict[str, float]]) -> dict[str, Any]:
         + v.get("vllm:request_success_total{finished_reason=abort}", 0.0),
         "kvpool_hit_rate": k.get("kvpool_prefix_cache_hits_total", 0.0) / queries if queries else 0.0,
         "kvpool_query_tokens": queries,
-        "kvpool_http_requests": http_n,
-        "kvpool_http_s": http_s,
+        "kvpool_http_requests": sum(n for n, _ in http.values()),
+        "kvpool_http_s": sum(s for _, s in http.values()),
+        # route -> [calls, seconds] (kvpool's own timing, first byte in to last byte out)
+        "kvpool_http_by_route": {route: [n, s] for route, (n, s) in sorted(http.items()) if n},
         "kvpool_evictions": k.get("kvpool_evictions_total", 0.0),
         # The connector's own counters (service/integrations/vllm_stats: vllm:kvpool_connector_total).
         "connector": {
@@ -116,6 +140,23 @@ def summarize(counters: dict[str, dict[str, float]]) -> dict[str, Any]:
             if key.startswith("vllm:kvpool_connector_total{")
         },
     }
+
+
+def _by_route(counters: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """kvpool's HTTP calls and seconds per "METHOD route", the benchmark's own calls (its scrapes, its polls
+    of the pool, its resets) left out."""
+    routes: dict[str, tuple[float, float]] = {}
+    for key, value in counters.items():
+        for suffix, slot in (("_count{", 0), ("_sum{", 1)):
+            if key.startswith("kvpool_request_duration_seconds" + suffix):
+                labels = dict(pair.split("=", 1) for pair in key[key.index("{") + 1 : -1].split(","))
+                name = f"{labels.get('method', '')} {labels.get('route', '')}".strip()
+                if name in OWN_CALLS:
+                    continue
+                n_s = list(routes.get(name, (0.0, 0.0)))
+                n_s[slot] += value
+                routes[name] = (n_s[0], n_s[1])
+    return routes
 
 
 def _ratio(counters: dict[str, float], hits: str, queries: str) -> float:

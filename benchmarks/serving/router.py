@@ -13,8 +13,12 @@ Both prefix policies weigh the match against the load, as Dynamo's KV router doe
 prompt tokens it would compute (the prompt less what it holds) plus the tokens it is computing for the
 requests it has in flight (each counted the same way when it was sent), and the cheapest node gets the
 request (ties: round robin). By the match alone, a prefix every prompt shares (a system prompt) would
-draw every request to the first node that held it. The prompt's token ids come from the first backend's
-`POST /tokenize` (vLLM renders the chat template and tokenizes exactly as it will serve).
+draw every request to the first node that held it. The prompt's token ids come from the model's own
+tokenizer in this process (`--model`: its chat template rendered as vLLM renders it), as Dynamo's
+frontend tokenizes before its KV router: a round trip to a busy engine's `POST /tokenize` cost a routed
+request tens of milliseconds. The first requests are also tokenized by the first backend's `POST
+/tokenize` (vLLM renders and tokenizes exactly as it will serve), beside the request; if the two ever
+differ, or without `--model`, the router asks the backend for every request after.
 
 Every proxied completion is logged (one JSON line: path, body, backend, status, error), which is
 how the benchmark counts failed requests and samples requests to replay.
@@ -38,6 +42,7 @@ from benchmarks.serving.fleet import MODEL_NAME
 
 LOGGED_PATHS = {"v1/completions", "v1/chat/completions"}
 JSON_BODY = {"content-type": "application/json"}
+CHECKED = 8  # requests tokenized both here and by the backend, which must agree
 
 
 class Router:
@@ -55,8 +60,41 @@ class Router:
         self.log = open(args.log, "a", buffering=1)
         self.routed = [0] * len(self.backends)
         self.route_ns = 0  # time spent choosing (tokenize + match/query), over all requests
+        self.chosen = 0  # requests routed by a prefix policy
+        self.tokenizer: Any = None
+        if args.model:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(args.model)
+        self.checked = 0  # requests whose local token ids the backend's agreed with
+        self.mismatches = 0
+        self.checks: set[asyncio.Task[None]] = set()
+
+    def local_ids(self, path: str, body: dict[str, Any]) -> list[int]:
+        if path == "v1/chat/completions":
+            rendered = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(body["prompt"])["input_ids"])
 
     async def token_ids(self, path: str, body: dict[str, Any]) -> list[int]:
+        if isinstance(body.get("prompt"), list):
+            return list(body["prompt"])
+        if self.tokenizer is None or self.mismatches:
+            return await self.backend_ids(path, body)
+        ids = self.local_ids(path, body)
+        if self.checked + len(self.checks) < CHECKED:  # checked beside the request, not before it
+            task = asyncio.create_task(self.check(path, body, ids))
+            self.checks.add(task)
+            task.add_done_callback(self.checks.discard)
+        return ids
+
+    async def check(self, path: str, body: dict[str, Any], ids: list[int]) -> None:
+        if ids == await self.backend_ids(path, body):
+            self.checked += 1
+        else:
+            self.mismatches += 1  # from now on the backend tokenizes
+
+    async def backend_ids(self, path: str, body: dict[str, Any]) -> list[int]:
         ask: dict[str, Any] = {"model": body.get("model", MODEL_NAME)}
         if path == "v1/chat/completions":
             ask["messages"] = body["messages"]
@@ -89,6 +127,7 @@ class Router:
         token_ids = await self.token_ids(path, body)
         scores = await self.matched(token_ids)
         self.route_ns += int((asyncio.get_running_loop().time() - began) * 1e9)
+        self.chosen += 1
         work = [len(token_ids) - min(score, len(token_ids)) for score in scores]
         costs = [w + q for w, q in zip(work, self.queued)]
         cheapest = [i for i, cost in enumerate(costs) if cost == min(costs)]
@@ -137,7 +176,13 @@ class Router:
         self.log.write(json.dumps(record) + "\n")
 
     async def stats(self, request: Request) -> Response:
-        return JSONResponse({"routed": self.routed, "in_flight": self.in_flight, "route_ns": self.route_ns})
+        return JSONResponse(
+            {
+                "routed": self.routed, "in_flight": self.in_flight, "route_ns": self.route_ns, "chosen": self.chosen,
+                "tokenized_here": self.tokenizer is not None and not self.mismatches, "checked": self.checked,
+                "mismatches": self.mismatches,
+            }
+        )  # fmt: skip
 
 
 def main() -> None:
@@ -147,6 +192,7 @@ def main() -> None:
     parser.add_argument("--policy", choices=["rr", "match", "dynamo"], default="rr")
     parser.add_argument("--kvpools", default="")
     parser.add_argument("--indexer", default="")
+    parser.add_argument("--model", default="", help="the model's directory: its tokenizer tokenizes here")
     parser.add_argument("--log", required=True)
     args = parser.parse_args()
     router = Router(args)

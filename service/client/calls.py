@@ -158,7 +158,9 @@ class Calls:
         return Call("DELETE", f"/v1/sequences/{seq_id}{query}", _freed_pages)
 
     @staticmethod
-    def step(appends: Sequence[StepAppend], seq_ids: Sequence[str] | None, instance: bool = False) -> Call[StepResult]:
+    def step(
+        appends: Sequence[StepAppend], seq_ids: Sequence[str] | None, instance: bool = False, free: Sequence[str] = ()
+    ) -> Call[StepResult]:
         items = []
         for a in appends:
             item: dict[str, Any] = {"seq_id": a[0], "num_tokens": a[1]}
@@ -168,6 +170,8 @@ class Calls:
         body: dict[str, Any] = {"appends": items}
         if seq_ids is not None:
             body["seq_ids"] = list(seq_ids)
+        if free:
+            body["free"] = list(free)
         return Call("POST", f"/v1/step{'?instance=true' if instance else ''}", _step_result, body)
 
     @staticmethod

@@ -87,11 +87,16 @@ class KVPoolClient(_Base):
         return self._run(Calls.free(seq_id, commit))
 
     def step(
-        self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None, instance: bool = False
+        self,
+        appends: Sequence[StepAppend],
+        seq_ids: Sequence[str] | None = None,
+        instance: bool = False,
+        free: Sequence[str] = (),
     ) -> StepResult:
-        """All appends or none, then the lookup table of `seq_ids` (default: the appended ones); instance: the
-        result's .instance_id names the server's instance."""
-        return self._run(Calls.step(appends, seq_ids, instance))
+        """All appends or none, then the lookup table of `seq_ids` (default: the appended ones), then the
+        sequences `free` freed (committing, as free()); instance: the result's .instance_id names the
+        server's instance."""
+        return self._run(Calls.step(appends, seq_ids, instance, free))
 
     def attend(
         self,
@@ -183,9 +188,13 @@ class AsyncKVPoolClient(_Base):
         return await self._run(Calls.free(seq_id, commit))
 
     async def step(
-        self, appends: Sequence[StepAppend], seq_ids: Sequence[str] | None = None, instance: bool = False
+        self,
+        appends: Sequence[StepAppend],
+        seq_ids: Sequence[str] | None = None,
+        instance: bool = False,
+        free: Sequence[str] = (),
     ) -> StepResult:
-        return await self._run(Calls.step(appends, seq_ids, instance))
+        return await self._run(Calls.step(appends, seq_ids, instance, free))
 
     async def attend(
         self,

@@ -175,20 +175,29 @@ class SequenceTable:
         plan = plan_one(self.blocks, self.allocator, seq.row, num_tokens, data, tenant)
         return seq, self.apply(self.check(plan), data_written)
 
-    def step(self, appends: list[Append], seq_ids: list[str] | None = None, tenant: str = "") -> StepResult:
-        """All appends or none, then the lookup table of `seq_ids` (default: the appended ones).
+    def step(
+        self, appends: list[Append], seq_ids: list[str] | None = None, tenant: str = "", free: list[str] | None = None
+    ) -> StepResult:
+        """All appends or none, then the lookup table of `seq_ids` (default: the appended ones), then the
+        sequences `free` freed, their full pages committed (as free() does): a client's finished requests
+        ride on its next step instead of a call each. Refused whole, with nothing changed, if any named
+        sequence is missing, or a freed one is also appended or listed.
 
         Leases renew on every call naming a sequence, refused or not: rows() renews them on the way;
         a refusal renews every sequence the step names that exists."""
+        free = free or []
         try:
-            return self._step(appends, seq_ids, tenant)
+            result = self._step(appends, seq_ids, tenant, free)
         except Exception:
             if self.registry.num_leased:
                 self.renew([a[0] for a in appends], tenant)
-                self.renew(seq_ids or [], tenant)
+                self.renew([*(seq_ids or []), *free], tenant)
             raise
+        for seq_id in free:  # checked by _step: they exist, once each, and the step left them as they were
+            self.free(seq_id, tenant)
+        return result
 
-    def _step(self, appends: list[Append], seq_ids: list[str] | None, tenant: str) -> StepResult:
+    def _step(self, appends: list[Append], seq_ids: list[str] | None, tenant: str, free: list[str]) -> StepResult:
         # Without leases, the appends' columns come from one C pass.
         reg = self.registry
         columns = None if reg.num_leased else batching.unzip_appends(reg.by_tenant.get(tenant, {}), appends)
@@ -202,6 +211,11 @@ class SequenceTable:
             raise InvalidRequest("a sequence may appear only once in the appends of a step")
         if seq_ids is not None:
             check_distinct(seq_ids)
+        if free:
+            check_distinct(free)
+            reg.rows(free, tenant)  # SequenceNotFound before anything changes
+            if not set(free).isdisjoint([*ids, *(seq_ids or ())]):
+                raise InvalidRequest("a sequence freed by a step may not also be appended or listed in it")
         listed = rows if seq_ids is None else reg.rows(seq_ids, tenant)
         before = self.blocks.lengths[listed].astype(np.uint32)
         token_data = checked_token_data(counts, token_lists)

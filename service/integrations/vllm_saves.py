@@ -5,10 +5,11 @@ Every save appends the pages of its request's new tokens to a kvpool sequence be
 every rank writes into the same pages. A step's saves go out together as one `POST /v1/step?instance=true`
 (all appends or none; the answer names the instance whose pool the ranks must write into, and the lookup
 table holds each sequence's pages). Sequences listed in `commit` ride along in the same call: a step's
-listed rows commit their written pages (those of saves every rank has reported). When kvpool refuses the
-step (out of pages, over quota, a sequence gone) nothing of it was applied, and the saves are appended one
-call each, so that one refused request leaves the others saved. A call whose answer is lost may have run:
-its sequences are released uncommitted.
+listed rows commit their written pages (those of saves every rank has reported); so do the frees of the
+sequences of finished requests (`free`: freed after the appends, committing). When kvpool refuses the step
+(out of pages, over quota, a sequence gone) nothing of it was applied, and the saves are appended one call
+each, so that one refused request leaves the others saved, and the frees follow one call each. A call whose
+answer is lost may have run: its sequences are released uncommitted (the freed ones once kvpool answers).
 """
 
 import time
@@ -41,34 +42,71 @@ class Appended:
     instance_id: str
 
 
-def append_all(link: KVPoolLink, items: list[Append], commit: list[str]) -> list[Appended | None]:
+def append_all(link: KVPoolLink, items: list[Append], commit: list[str], free: list[str]) -> list[Appended | None]:
     """The items appended, in order (None for one refused or lost: its sequence is released, committing only
-    what was written before). `commit`: sequences whose pages are all written, committed in the same call."""
+    what was written before). `commit`: sequences whose pages are all written, committed in the same call;
+    `free`: sequences freed in it (committing)."""
     began = time.perf_counter_ns()
     try:
-        out = _batched(link, items, commit) if len(items) > 1 or commit else [_one(link, item) for item in items]
+        if len(items) > 1 or commit or free:
+            out = _batched(link, items, commit, free)
+        else:
+            out = [_one(link, item) for item in items]
         link.stats["saves"] += sum(done is not None for done in out)
         return out
     finally:
         link.stats["append_ns"] += time.perf_counter_ns() - began  # the step waits for it
 
 
-def _batched(link: KVPoolLink, items: list[Append], commit: list[str]) -> list[Appended | None]:
+def free_all(link: KVPoolLink, free: list[str]) -> None:
+    """The sequences freed, committing: one call (a step with nothing else), or one each if kvpool refuses
+    it (a sequence gone with a restart refuses the whole step); lost: freed uncommitted once kvpool answers.
+    Tried during an incident too (as out of pages: frees are what ends it)."""
+    if not free:
+        return
+    try:
+        link.client.step([], [], free=free)
+        link.stats["free_calls"] += 1
+        link.stats["frees"] += len(free)
+    except KVPoolError as exc:
+        link.record(exc)
+        for seq_id in free:
+            link.free(seq_id)
+    except httpx.HTTPError as exc:
+        link.record(exc)
+        for seq_id in free:
+            link.forget(seq_id)
+
+
+def _batched(link: KVPoolLink, items: list[Append], commit: list[str], free: list[str]) -> list[Appended | None]:
     appended_ids = [item.seq_id for item in items]
-    listed = appended_ids + [seq_id for seq_id in commit if seq_id not in set(appended_ids)]
+    # kvpool refuses a step that frees a sequence twice, or one it appends or lists: a freed one is committed
+    # by its free (not listed), and one appended (never planned so) is not freed.
+    free = list(dict.fromkeys(free))
+    if overlap := set(free) & set(appended_ids):
+        link.stats["internal_errors"] += len(overlap)
+        free = [seq_id for seq_id in free if seq_id not in overlap]
+    named = set(appended_ids) | set(free)
+    listed = appended_ids + [seq_id for seq_id in commit if seq_id not in named]
     appends = [(item.seq_id, item.end - item.start, item.token_ids) for item in items]
     try:
-        step = link.client.step(appends, listed, instance=True)
-    except KVPoolError as exc:  # refused whole: nothing appended, nothing committed; one call each instead
+        step = link.client.step(appends, listed, instance=True, free=free)
+    except KVPoolError as exc:  # refused whole: nothing appended, committed or freed; one call each instead
         link.record(exc)
         link.stats["append_batches_split"] += 1
-        return [_one(link, item) for item in items]
+        each = [_one(link, item) for item in items]
+        for seq_id in free:
+            link.free(seq_id)
+        return each
     except httpx.HTTPError as exc:  # it may have run: the appended pages are released uncommitted
         link.record(exc)
         for item in items:
             link.discard(item.seq_id)
+        for seq_id in free:
+            link.forget(seq_id)
         return [None] * len(items)
     link.stats["append_batches"] += 1
+    link.stats["frees"] += len(free)
     assert step.instance_id is not None
     table, page_size = step.lookup_table, link.page_size
     out: list[Appended | None] = []

@@ -33,6 +33,7 @@ that asked at once would otherwise recompute the prompt (the producer never wait
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,10 +42,13 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, LoadJob, Pin, Role, SaveJob
-from service.integrations.vllm_saves import Append, Appended, append_all
+from service.integrations.vllm_saves import Append, Appended, append_all, free_all
 from service.integrations.vllm_thread import ConnectorThread
 
 LOAD_WAIT_POLL_S = 0.005  # a consumer's lookup asks kvpool again this often while it waits
+# Frees wait this long at most for a step call with saves to ride on while the engine has requests (an engine
+# with none sends them at once): under load, a call of frees alone cost about what a free each did.
+FREE_WAIT_S = 0.25
 Planned = tuple[str, int, tuple[str, int] | None]  # a save: request, its tokens [0, end) saved, (sequence, length)
 
 if TYPE_CHECKING:
@@ -100,6 +104,8 @@ class KVPoolConnectorScheduler:
         self._open: dict[int, OpenSave] = {}
         self._held: dict[str, Held] = {}
         self._to_commit: set[str] = set()  # held sequences with written pages not committed yet
+        self._to_free: list[str] = []  # sequences released (committing) since the last step call: ride on the next
+        self._free_since = 0.0  # when the oldest of them was released (monotonic)
         self._next_save_id = 0
         self.worker_stats: Counter[str] = Counter()  # the workers' counters, summed over the ranks
 
@@ -172,6 +178,7 @@ class KVPoolConnectorScheduler:
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
         page_size = self._link.page_size
         if not page_size or manager is None or not self._role.saves:
+            self._flush_frees()
             return meta
         planned: list[Planned] = []
         block_ids: dict[str, list[int]] = {}
@@ -190,12 +197,15 @@ class KVPoolConnectorScheduler:
             block_ids[req_id] = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
             planned.append((req_id, end, self._base(req_id, held)))
         if not planned:
+            self._flush_frees()
             return meta
         commit, self._to_commit = list(self._to_commit), set()
+        frees, self._to_free = self._to_free, []
         # The ranks need the pages before the forward: the step waits for the appends (one call for all of
-        # them, with the commits of written saves riding along; a create first for a save with no sequence).
+        # them, with the commits of written saves and the frees of finished requests riding along; a create
+        # first for a save with no sequence).
         kept = {h.seq_id for h in held.values()}
-        appended = self._thread.run(lambda: self._append(planned, commit, kept))
+        appended = self._thread.run(lambda: self._append(planned, commit, kept, frees))
         if appended is None:  # kvpool unusable now: no save this step; the held sequences stay held
             self._held.update(held)
             self._to_commit.update(commit)
@@ -227,15 +237,19 @@ class KVPoolConnectorScheduler:
         taken[req_id] = held
         return held.seq_id, held.end
 
-    def _append(self, planned: list[Planned], commit: list[str], kept: set[str]) -> list[Appended | None] | None:
+    def _append(
+        self, planned: list[Planned], commit: list[str], kept: set[str], frees: list[str]
+    ) -> list[Appended | None] | None:
         """On the connector's thread: the appends of the pages of tokens [kvpool's, end) of each request (None
-        for a save with nothing to append, or that kvpool refused); None when kvpool is not usable now (the
-        pins are released once it answers again; the held sequences, `kept`, stay held)."""
+        for a save with nothing to append, or that kvpool refused), `frees` freed in the same call; None when
+        kvpool is not usable now (the pins are released once it answers again; the held sequences, `kept`,
+        stay held; `frees` are tried all the same)."""
         link = self._link
         if not link.usable():
             for _, _, base in planned:
                 if base is not None and base[0] not in kept:
                     link.forget(base[0])  # a pin: released once kvpool answers again
+            free_all(link, frees)
             return None
         items: list[Append] = []
         for req_id, end, base in planned:
@@ -250,7 +264,10 @@ class KVPoolConnectorScheduler:
                 link.free(seq_id)
                 continue
             items.append(Append(req_id, seq_id, start, end, list(request.all_token_ids[start:end])))
-        return append_all(link, items, commit) if items else []
+        if not items:
+            free_all(link, frees)
+            return []
+        return append_all(link, items, commit, frees)
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """The ranks' reports of this step (summed over them): commit each save every rank has written."""
@@ -289,8 +306,9 @@ class KVPoolConnectorScheduler:
         return len(self._open)
 
     def has_pending_push_work(self) -> bool:
-        """Saves wait for their ranks' reports: an engine that would go idle keeps stepping until they come."""
-        return bool(self._open)
+        """Saves wait for their ranks' reports, and released sequences for the next step call that frees them:
+        an engine that would go idle keeps stepping until they are done."""
+        return bool(self._open or self._to_free)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -332,19 +350,33 @@ class KVPoolConnectorScheduler:
         for held in self._held.values():
             self._release(held.seq_id)  # written by every rank: committed
         self._held.clear()
+        self._flush_frees(now=True)
 
     def _release(self, seq_id: str, commit: bool = True) -> None:
-        """Free a sequence on the connector's thread; vLLM's scheduler does not wait for it. commit=False:
-        its pages not committed yet are released uncommitted."""
-
+        """Free a sequence: on a later step call (its pages committed), the next with saves or one of frees
+        alone that _flush_frees sends; commit=False: now, on the connector's thread, its pages not committed
+        yet released uncommitted. vLLM's scheduler does not wait for either."""
         self._to_commit.discard(seq_id)
+        if commit:
+            if not self._to_free:
+                self._free_since = time.monotonic()
+            self._to_free.append(seq_id)
+        else:
+            self._submit_release(lambda: self._link.discard(seq_id))
 
+    def _flush_frees(self, now: bool = False) -> None:
+        """The sequences released since the last step call, freed in one call on the connector's thread: when
+        the engine has no request left, when the oldest has waited FREE_WAIT_S for a saves call, or `now`."""
+        if not self._to_free:
+            return
+        if now or not self._requests or time.monotonic() - self._free_since >= FREE_WAIT_S:
+            frees, self._to_free = self._to_free, []
+            self._submit_release(lambda: free_all(self._link, frees))
+
+    def _submit_release(self, fn: Callable[[], None]) -> None:
         def release() -> None:
             began = time.perf_counter_ns()
-            if commit:
-                self._link.free(seq_id)
-            else:
-                self._link.discard(seq_id)
+            fn()
             self._link.stats["release_ns"] += time.perf_counter_ns() - began
 
         if self._thread.submit(release):

@@ -85,7 +85,7 @@ class DiskTier(SpillTier):
             await asyncio.wrap_future(self.read(slots, hashes, list(staging)))
             await self.engine.submit(lambda: self.codec.scatter(pages, torch.from_numpy(staging)))
             return
-        await self.engine.submit(lambda: None)
+        await self.engine.submit(lambda: None, inline=True)  # (no hop when nothing is ahead)
         await asyncio.wrap_future(self.read(slots, hashes, [self.codec.host_page(p) for p in pages]))
 
     def write(self, slots: list[int], hashes: list[bytes], data: np.ndarray) -> "Future[None]":

@@ -144,7 +144,7 @@ class RemoteTier:
         pages = pages[: len(hashes)]
         try:
             if self.codec.on_host:
-                await self.engine.submit(lambda: None)
+                await self.engine.submit(lambda: None, inline=True)  # (no hop when nothing is ahead)
                 got = await self._get_into(hashes, tokens, [self.codec.host_views(p) for p in pages])
             else:
                 async with self._staging_lock:  # (one restore at a time in the rows: read, then copied)

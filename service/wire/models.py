@@ -128,6 +128,11 @@ class StepAppend(Strict):
 class StepRequest(Strict):
     appends: list[StepAppend] = Field(default_factory=list)
     seq_ids: list[SeqId] | None = Field(None, description="rows of the lookup table (default: the appended ones)")
+    free: list[SeqId] = Field(
+        default_factory=list,
+        description="sequences freed after the appends, their full pages committed (as DELETE /v1/sequences/{id}); "
+        "neither appended nor listed in the same step",
+    )
     format: Literal["max", "flashinfer", "flash_attn"] = Field(
         "max", description="extra page tables for FlashInfer (CSR) or flash_attn (block_table); MAX fields always"
     )

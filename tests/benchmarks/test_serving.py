@@ -77,6 +77,17 @@ def test_kvpool_was_used_and_released_every_page(report: dict[str, Any]) -> None
     assert sum(r["server"]["cached_tokens_kvpool"] for r in d) > 0
 
 
+def test_the_prefix_routers_tokenized_as_vllm_does(report: dict[str, Any]) -> None:
+    routed = [r for r in report["runs"] if r["config"] in ("f", "f-match")]
+    assert routed
+    for run in routed:
+        router = run["router"]
+        assert sum(router["routed"]) == run["proxied"] and router["route_ms_per_request"] > 0, run["label"]
+        # token ids from the model's tokenizer in the router, checked against vLLM's POST /tokenize
+        assert router["tokenized_here"] and router["tokenizer_mismatches"] == 0, run["label"]
+        assert router["tokenizer_checked"] > 0, run["label"]
+
+
 def test_replays_one_at_a_time_match_vllm_alone(report: dict[str, Any]) -> None:
     per_config: dict[str, int] = {}
     for run in report["runs"]:

@@ -90,8 +90,12 @@ def test_step_and_attend(client: KVPoolClient) -> None:
     assert out.shape == (1, 4, 16) and torch.isfinite(out).all()
     step = client.step([], seq_ids=["s-b", "s-a"])
     assert step.cache_lengths.tolist() == [2, 6] and step.slots == [[], []]
-    for seq_id in ("s-a", "s-b"):
-        client.free(seq_id)
+    # A step's frees ride on it: s-b freed after s-a's append (the table has s-a's row only), then s-a alone.
+    step = client.step([("s-a", 1)], free=["s-b"])
+    assert step.cache_lengths.tolist() == [6] and step.input_lengths == [1]
+    assert client.pool()["num_sequences"] == 1
+    step = client.step([], [], free=["s-a"])
+    assert step.lookup_table.shape[0] == 0 and client.pool()["num_sequences"] == 0
 
 
 def test_probes_pool_and_ipc(client: KVPoolClient) -> None:

@@ -569,6 +569,38 @@ def test_a_step_refuses_a_repeated_listed_id_before_appending() -> None:
     assert t.length(t.get("a")) == 3 and t.allocator.num_used == 1
 
 
+def test_a_step_frees_the_named_sequences_after_its_appends_committing_their_pages() -> None:
+    t = make_table()
+    fill(t, "a", 9, P10[:9])  # [0, 1, 2]: pages 0 and 1 full and written, not committed before a free
+    fill(t, "b", 3, [5, 6, 7])  # [3]
+    fill(t, "c", 2, [8, 9])  # [4]
+    r = t.step([("b", 2, [1, 2])], free=["a", "c"])
+    # The table is built before the frees: only b's row; then a's full pages cached, its partial one and c's free.
+    assert r.seq_ids == ["b"] and r.lookup_table[0, :2].tolist() == [3, 5] and r.slots == [[15, 20]]
+    assert len(t) == 1 and table_of(t, "b") == [3, 5]
+    assert counts(t) == (2, 2, 4)
+    assert t.create("d", [*P10[:8], 0]).cached_tokens == 8  # a's two full pages hit
+    assert t.block_table(t.get("d")) == [0, 1]
+
+
+def test_a_step_that_cannot_free_what_it_names_changes_nothing() -> None:
+    t = make_table()
+    fill(t, "a", 5, [1, 2, 3, 4, 5])
+    fill(t, "b", 3)
+    before = snapshot(t)
+    with pytest.raises(SequenceNotFound):
+        t.step([("a", 1, [6])], free=["b", "zz"])
+    with pytest.raises(InvalidRequest, match="freed by a step"):
+        t.step([("a", 1, [6])], free=["a"])
+    with pytest.raises(InvalidRequest, match="freed by a step"):
+        t.step([("a", 1, [6])], seq_ids=["a", "b"], free=["b"])
+    with pytest.raises(InvalidRequest, match="'b' is named more than once"):
+        t.step([("a", 1, [6])], free=["b", "b"])
+    assert snapshot(t) == before
+    t.step([], [], free=["b", "a"])  # a step of frees alone
+    assert len(t) == 0 and counts(t)[0] == 0
+
+
 def test_free_returns_the_pages_whose_last_reference_it_dropped() -> None:
     t = make_table()
     fill(t, "a", 9, P10[:9])

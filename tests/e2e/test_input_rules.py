@@ -198,3 +198,16 @@ def test_a_step_refuses_a_repeated_seq_id_as_attend_does_and_changes_nothing(ser
     attend_error = refused(c.post("/v1/attend", json={"layer": 0, "seq_ids": ["a", "a"], "q": enc(q)}))
     assert step_error["message"] == attend_error["message"] == "seq_ids must be distinct: 'a' is named more than once"
     assert pool_state(c, ["a", "b"]) == before  # the step's append did not happen
+
+
+def test_a_step_that_frees_a_missing_sequence_is_refused_whole(server: Server) -> None:
+    c = server.client
+    for seq_id in ("a", "b"):
+        c.post("/v1/sequences", json={"seq_id": seq_id})
+        c.post(f"/v1/sequences/{seq_id}/append", json={"num_tokens": 3})
+    before = pool_state(c, ["a", "b"])
+    answer = c.post("/v1/step", json={"appends": [{"seq_id": "a", "num_tokens": 2}], "free": ["b", "gone"]})
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "sequence_not_found"
+    overlap = refused(c.post("/v1/step", json={"appends": [{"seq_id": "a", "num_tokens": 2}], "free": ["a"]}))
+    assert overlap["message"] == "a sequence freed by a step may not also be appended or listed in it"
+    assert pool_state(c, ["a", "b"]) == before  # neither the append nor b's free happened

@@ -24,10 +24,11 @@ routes = RouteTable(tags=["step"])
 )
 async def step(request: Request, pool: StateDep, tenant: TenantDep, instance: InstanceQuery = False) -> Response:
     """All appends or none, then the sentinel-filled lookup table of the listed sequences (?instance=true: and
-    the server's instance_id, for a client that writes the appended pages through its mapping of the pool)."""
+    the server's instance_id, for a client that writes the appended pages through its mapping of the pool),
+    then the sequences in `free` freed, as DELETE would (a client's finished requests, on its next step)."""
     body = await read_json(request, StepRequest, refused=lambda raw: renew_named_in(pool, tenant, raw))
     appends = [(a.seq_id, a.num_tokens, a.token_ids) for a in body.appends]
-    result = pool.sequences.step(appends, body.seq_ids, tenant)
+    result = pool.sequences.step(appends, body.seq_ids, tenant, body.free)
     cache_lengths = result.cache_lengths
     answer = json_response(
         {
