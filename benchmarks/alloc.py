@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import report
+from benchmarks.processes import stop
 from service.core.allocator import PageAllocator
 from service.core.layout import lut_columns
 from service.core.sequences import SequenceTable
@@ -184,8 +185,7 @@ def bench_step_http(steps: int) -> float:
         assert response.json()["lookup_table"]["shape"] == [BATCH, lut_columns(max_pages)]
         return statistics.median(times)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)
 
 
 def best_of(run: Callable[[], float], repeats: int) -> float:

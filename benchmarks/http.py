@@ -10,7 +10,6 @@ import asyncio
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import orjson
 from benchmarks import report as results
 from benchmarks.http_client import make_transport
 from benchmarks.http_workload import Client, Geometry, Recorder
+from benchmarks.processes import stop
 from service.cli import free_port
 
 TARGET_RPS = 2000.0
@@ -59,15 +59,7 @@ def start_server(num_pages: int, extra_env: dict[str, str] | None = None) -> tup
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stderr:
-        proc.stderr.close()
+    stop(proc, close=[proc.stderr])
 
 
 def percentile(sorted_ms: list[float], q: float) -> float:

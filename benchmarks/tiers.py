@@ -13,6 +13,7 @@ import asyncio
 import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ import redis
 import torch
 
 from benchmarks import report
+from benchmarks.processes import stop
 from service.cli import free_port
 from service.config import Settings
 from service.pool import PoolState
@@ -314,8 +316,7 @@ class RedisProcess:
 
     def stop(self) -> None:
         for proc in self.procs:
-            proc.kill()
-            proc.wait()
+            stop(proc, signal.SIGKILL)
         for client in self._clients:
             client.close()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -3,7 +3,7 @@ source trees side by side (old code against new), in alternating rounds on the s
 
     python -m benchmarks.vllm_bookkeeping [--tree /tmp/kvpool-main --tree .] [--rounds 6 --batch 8]
 
-Each tree gets its own `kvpool serve --model` and one vLLM engine (tests/integrations/vllm_engine: in-process
+Each tree gets its own `kvpool serve --model` and one vLLM engine (benchmarks/vllm_engine: in-process
 engine core, vLLM's prefix cache off, so every prompt is looked up in kvpool), both run from that tree. Every
 round sends each engine, in alternating order, a batch of prompts at once (one generate(): several requests
 per step): half are fresh (misses, saved), half repeat a prompt of the round before with a new last page
@@ -28,13 +28,14 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 
-from benchmarks.vllm_connector import FIXED_MALLOC, make_model
+from benchmarks.processes import stop
+from benchmarks.vllm_connector import make_model
+from benchmarks.vllm_engine import REPO, Engine, engine_env
 
-REPO = Path(__file__).resolve().parent.parent
 PAGE = 16
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -44,7 +45,7 @@ class Side:
 
     def __init__(self, tree: Path, model: Path, port: int, config: dict[str, Any]) -> None:
         self.tree, self.url = tree, f"http://127.0.0.1:{port}"
-        env = {**os.environ, "PYTHONPATH": str(tree), **FIXED_MALLOC}
+        env = engine_env(fixed_malloc=True, tree=tree)
         self.server = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--model", str(model), "--port", str(port),
              "--device", "cpu", "--num-pages", "8192", "--log-level", "warning"],
@@ -58,26 +59,18 @@ class Side:
                 time.sleep(0.2)
         else:
             raise RuntimeError(f"kvpool at {self.url} did not start")
-        self.engine = subprocess.Popen(
-            [sys.executable, "-m", "tests.integrations.vllm_engine", json.dumps({**config, "kvpool_url": self.url})],
-            cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        self._readline()  # {"ready": ...}
+        # A tree from before benchmarks/vllm_engine.py has the same engine in tests/integrations.
+        new = (tree / "benchmarks" / "vllm_engine.py").exists()
+        module = "benchmarks.vllm_engine" if new else "tests.integrations.vllm_engine"
+        try:
+            self.engine = Engine({**config, "kvpool_url": self.url}, None, env, wait=600, cwd=tree, module=module)
+        except BaseException:
+            stop(self.server)
+            raise
         self.stats: Counter[str] = Counter()
         self.http: Counter[str] = Counter()
         self.requests = 0
         self.walls: list[float] = []
-
-    def _readline(self) -> dict[str, Any]:
-        out: IO[str] | None = self.engine.stdout
-        assert out is not None
-        while True:
-            line = out.readline()
-            if not line:
-                raise RuntimeError(f"the engine of {self.tree} exited")
-            if line.startswith("{"):
-                answer: dict[str, Any] = json.loads(line)
-                return answer
 
     def http_calls(self) -> Counter[str]:
         """kvpool's answered requests so far by method and route, and ("... ns") the time it took on them."""
@@ -92,22 +85,15 @@ class Side:
 
     def run(self, batch: list[list[int]]) -> None:
         before_http, began = self.http_calls(), time.perf_counter()
-        assert self.engine.stdin is not None
-        self.engine.stdin.write(json.dumps([{"token_ids": p} for p in batch]) + "\n")
-        self.engine.stdin.flush()
-        answer = self._readline()
+        self.engine.generate(*batch, timeout=600)
         self.walls.append(time.perf_counter() - began)
-        self.stats = Counter(answer["stats"])  # the connector's counters since the engine started
+        self.stats = Counter(self.engine.stats)  # the connector's counters since the engine started
         self.http.update(self.http_calls() - before_http)
         self.requests += len(batch)
 
     def stop(self) -> None:
-        for proc in (self.engine, self.server):
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        self.engine.close()
+        stop(self.server)
 
 
 def report(side: Side, label: str) -> dict[str, Any]:

@@ -13,7 +13,7 @@ fresh engine with the connector (its own prefix cache off) times the kvpool hits
 of a generate() with one new token; "total" generates --new tokens. A hit's prompt shares all but its
 last 64 tokens with a miss's. Before each timed request the connector's queued saves (of the request
 before) finish: each request meets an idle engine. Every engine runs with glibc's malloc thresholds fixed
-(FIXED_MALLOC; `--malloc glibc` leaves glibc's defaults).
+(benchmarks.vllm_engine.FIXED_MALLOC; `--malloc glibc` leaves glibc's defaults).
 
 The copies' rates (the K and V of every layer of the tokens moved, bytes counted once) are set against a
 torch copy of as many bytes in the same process, a ceiling that is not one number here, so three of them:
@@ -27,10 +27,8 @@ per kvpool hit, and the process's first load (its warm-up's: page tables and cac
 """
 
 import argparse
-import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -38,14 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.processes import stop
+from benchmarks.vllm_engine import REPO
+from benchmarks.vllm_timed_engine import Engine
+
 SUFFIX = 64
 ITEM_BYTES = {"float32": 4, "bfloat16": 2}
-FLUSH_BYTES = 128 << 20  # written between cold copies: larger than the last-level cache
-# glibc's malloc, left to adjust its thresholds, hands vLLM's activations back to the OS and faults them in
-# again: 25,000-80,000 page faults per 2,048-token prefill, a different number in each process (tens of ms
-# between two engines). Fixed thresholds keep them (every engine alike; vLLM's CPU docs preload tcmalloc).
-FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 def make_model(path: Path, layers: int, hidden: int, dtype: str) -> None:
@@ -69,238 +65,6 @@ def prompts(seed: int, length: int) -> tuple[list[int], list[int]]:
     return tuple(shared + [rng.randrange(3, 1024) for _ in range(SUFFIX)] for _ in range(2))  # type: ignore[return-value]
 
 
-def engine_main(config: dict[str, Any]) -> None:
-    """One engine, driven over stdin: a line {"run": [name, token_ids, max_tokens]} answers "RESULT" and
-    {"s", "cached"} (the wall time of its generate()); {"finish": token_ids} answers the connector's counters,
-    the copy ceiling and (given token_ids whose pages kvpool holds) the connector's copies."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import torch
-    from vllm import LLM, SamplingParams, TokensPrompt
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    spent = time_vllm_parts()
-    transfer = None
-    if config["kvpool_url"]:
-        transfer = KVTransferConfig(
-            kv_connector="KVPoolConnector", kv_connector_module_path="service.integrations.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"kvpool_url": config["kvpool_url"]},
-        )  # fmt: skip
-    tp = config.get("tp", 1)
-    parallel: dict[str, Any] = {
-        "tensor_parallel_size": tp,
-        **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
-    }
-    llm = LLM(
-        model=config["model"], skip_tokenizer_init=True, dtype=config["dtype"], enforce_eager=True, block_size=32,
-        max_model_len=4096, enable_prefix_caching=config["prefix_caching"],
-        kv_cache_memory_bytes=(1 << 30) // tp, kv_transfer_config=transfer, **parallel,
-        kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
-    )  # fmt: skip
-    # Warm-up on a full-length prompt of its own (the first long prefill of a process pays allocations).
-    warm = [TokensPrompt(prompt_token_ids=[3 + i % 1000 for i in range(config["warmup_tokens"])])]
-    llm.generate(warm, SamplingParams(max_tokens=2), use_tqdm=False)
-    # The scheduler's KVPoolConnector (its stats include its workers'), and the worker's where it runs in this
-    # process (tensor parallel size 1: its copies are timed at the end).
-    client: Any = llm.llm_engine.engine_core  # an InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    connector: Any = client.engine_core.scheduler.connector
-    worker: Any = get_kv_transfer_group() if has_kv_transfer_group() else None
-    # The warm-up's loads (a fresh engine finds its prompt in kvpool): the process's first copies.
-    print("RESULT " + json.dumps({"ready": True, "stats": load_stats(connector, llm)}), flush=True)
-    for line in sys.stdin:
-        command = json.loads(line)
-        if "run" in command:
-            _name, token_ids, max_tokens = command["run"]
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            loads = load_stats(connector, llm)  # each request meets an idle engine: the saves before are committed
-            parts, usage = dict(spent), resource.getrusage(resource.RUSAGE_SELF)
-            began = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)[0]
-            answer: dict[str, Any] = {"s": time.perf_counter() - began, "cached": out.num_cached_tokens}
-            answer["tokens"] = list(out.outputs[0].token_ids)
-            # This request's loads (done within its steps: the forward waits for them, the step reports them).
-            answer["loads"] = {k: v - loads[k] for k, v in load_stats(connector, llm).items()}
-            answer["parts"] = {name: spent[name] - parts.get(name, 0.0) for name in spent}
-            after = resource.getrusage(resource.RUSAGE_SELF)
-            answer["faults"] = after.ru_minflt - usage.ru_minflt  # page faults: memory touched afresh
-            answer["preempted"] = after.ru_nivcsw - usage.ru_nivcsw  # involuntary context switches
-        else:
-            stats = settle(llm) if connector is not None else {}
-            # The copy ceiling in this process, now (the machine's load changes from one minute to the next).
-            ceiling = copy_ceiling(config["warmup_tokens"] * config["token_bytes"])
-            copies = measure_copies(worker, command["finish"]) if worker is not None else {}
-            answer = {"stats": stats, "ceiling": ceiling, "copies": copies, "threads": torch.get_num_threads()}
-        print("RESULT " + json.dumps(answer), flush=True)
-
-
-def settle(llm: Any, timeout_s: float = 60.0) -> dict[str, int]:
-    """Step an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) until every rank has reported every save of
-    its connector and the scheduler's commits and frees are done (an idle in-process engine takes no steps by itself);
-    the scheduler connector's counters, with its workers' summed, or {} without a connector."""
-    core = llm.llm_engine.engine_core.engine_core  # (an InprocClient's EngineCore: internals, for tests)
-    connector = core.scheduler.connector
-    if connector is None:
-        return {}
-    deadline = time.monotonic() + timeout_s
-    while connector.has_pending_push_work() and time.monotonic() < deadline:  # saves to report, frees to send
-        core.step_fn()  # the workers' reports come back with each step's output, saving or not
-        time.sleep(0.001)
-    connector.wait_for_saves()
-    return dict(connector.stats)
-
-
-def load_stats(connector: Any, llm: Any) -> dict[str, int]:
-    """The connector's load counters once its saves so far are committed: tokens loaded (summed over the ranks)
-    and ns spent copying them."""
-    stats = settle(llm) if connector is not None else {}
-    return {key: stats.get(key, 0) for key in ("loaded_tokens", "load_copy_ns")}
-
-
-def time_vllm_parts() -> dict[str, float]:
-    """Seconds spent so far in parts of vLLM's step (wrapped here, in this process): the model's forward,
-    the rest of execute_model (the connector's start_load_kv and wait_for_save among it), sampling,
-    scheduling (the connector's lookups among it) and the scheduler's update after a step."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    spent: dict[str, float] = {}
-
-    def timed(cls: Any, method: str, name: str) -> None:
-        inner = getattr(cls, method)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
-
-        setattr(cls, method, wrapper)
-
-    for cls, method, name in (
-        (GPUModelRunner, "_model_forward", "forward"),
-        (GPUModelRunner, "execute_model", "execute"),
-        (GPUModelRunner, "sample_tokens", "sample"),
-        (Scheduler, "schedule", "schedule"),
-        (Scheduler, "update_from_output", "update"),
-    ):
-        timed(cls, method, name)
-    return spent
-
-
-def measure_copies(connector: Any, token_ids: list[int], repeat: int = 7) -> dict[str, Any]:
-    """Seconds (best of `repeat`) of the connector's load and save of the cached pages of `token_ids`, and of a
-    plain torch copy of as many bytes, back to back on the connector's own thread (one intra-op thread, as
-    its copies run). The load writes into vLLM's first blocks (the engine is idle, its prefix cache off) and
-    the save writes them back into the same pages: the same bytes, so kvpool's cache is unchanged. Pinned by
-    a sequence meanwhile. Each is timed warm (repeated back to back: the last-level cache keeps part of the
-    bytes of the repetition before; 33 MB here, 32 MB of L3 on this machine's EPYC) and cold (FLUSH_BYTES
-    written before each repetition, so none of them is cached: as a load meets the pool in a step)."""
-    import torch
-
-    link, copier = connector._link, connector._worker._copier  # (internals: this is a benchmark)
-    info = link.client.create_sequence("bench-copies", token_ids, ttl_s=0)
-    n = info.cached_tokens // connector._block_size * connector._block_size
-    pages, blocks = info.block_table, list(range(1, 1 + -(-n // connector._block_size)))  # (0: vLLM's null block)
-    pool = link.pool.blocks
-    flush = torch.empty(FLUSH_BYTES // 4)
-
-    def best(fn: Any, cold: bool) -> float:
-        def timed() -> float:
-            fastest = float("inf")
-            for _ in range(repeat):
-                if cold:
-                    flush.fill_(1.0)
-                began = time.perf_counter()
-                fn()
-                fastest = min(fastest, time.perf_counter() - began)
-            return fastest
-
-        return float(connector._thread.run(timed))
-
-    nbytes = n * pool[0].numel() // pool.shape[3] * pool.element_size()
-    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
-    fns = {
-        "load": lambda: copier.load(pool, pages, blocks, 0, n),
-        "save": lambda: copier.save(pool, blocks, pages, 0, n),
-        "copy": lambda: dst.copy_(src),
-    }
-    try:
-        result: dict[str, Any] = {"tokens": n, "bytes": nbytes, "native": copier.native}
-        for cold in (False, True):
-            result.update({f"{name}{'_cold' if cold else ''}_s": best(fn, cold) for name, fn in fns.items()})
-        result["build"] = copier.build
-        return result
-    finally:
-        link.client.free("bench-copies")
-
-
-class Engine:
-    """One engine process (engine_main), alive until close(): requests are timed in it one at a time."""
-
-    def __init__(
-        self,
-        model: str,
-        url: str | None,
-        prefix_caching: bool,
-        prompt_len: int,
-        per_token: int,
-        fixed_malloc: bool,
-        dtype: str = "float32",
-        tp: int = 1,
-        **extra: str,
-    ) -> None:
-        """extra: more of engine_main's config (kv_cache_dtype)."""
-        config = {"model": model, "kvpool_url": url, "prefix_caching": prefix_caching, "token_bytes": per_token}
-        config.update(extra)
-        config["dtype"] = dtype
-        config["warmup_tokens"] = prompt_len
-        config["tp"] = tp
-        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(FIXED_MALLOC if fixed_malloc else {})}
-        if tp > 1:  # vLLM's CPU workers: one core each (its automatic binding refuses two workers on one NUMA node)
-            cores = sorted(os.sched_getaffinity(0))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(tp))
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.vllm_connector", "--engine", json.dumps(config)],
-            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-        )  # fmt: skip
-        self.ready = self._answer()  # {"ready", "stats": the warm-up's loads}
-
-    def _answer(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:  # vLLM logs on stdout too
-            if line.startswith("RESULT "):
-                return dict(json.loads(line[len("RESULT ") :]))
-        self.log.seek(0)
-        raise RuntimeError(f"the engine exited ({self.proc.wait()}):\n{self.log.read()[-3000:]}")
-
-    def _send(self, command: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def run(self, token_ids: list[int], max_tokens: int) -> dict[str, Any]:
-        """{"s": the wall time of the generate(), "cached": tokens it found cached, "parts", "faults", ...}."""
-        return self._send({"run": ["", token_ids, max_tokens]})
-
-    def finish(self, copies_of: list[int]) -> dict[str, Any]:
-        answer = self._send({"finish": copies_of})
-        self.close()
-        return answer
-
-    def close(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()  # the engine leaves its loop and exits
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process `pid` (all its threads) so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -318,20 +82,6 @@ def cpu_pressure() -> float:
 def token_bytes(args: argparse.Namespace) -> int:
     """K and V of one token, every layer (KV heads of 64)."""
     return args.layers * 2 * max(1, args.hidden // 128) * 64 * ITEM_BYTES[args.dtype]
-
-
-def copy_ceiling(nbytes: int) -> float:
-    """Bytes/s of a plain torch copy of `nbytes` (best of 5), in this process."""
-    import torch
-
-    src = torch.randn(nbytes // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        began = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - began)
-    return nbytes / best
 
 
 def main() -> None:
@@ -354,11 +104,7 @@ def main() -> None:
         help="plain: this module's runs; the others: benchmarks/vllm_formats.py (MLA, FP8, full hits, P/D)",
     )  # fmt: skip
     parser.add_argument("--requests", type=int, default=20, help="pd: requests through the proxy")
-    parser.add_argument("--engine", help=argparse.SUPPRESS)  # JSON: this process is one engine (engine_main)
     args = parser.parse_args()
-    if args.engine:
-        engine_main(json.loads(args.engine))
-        return
     if args.tp > 1:
         from benchmarks.vllm_connector_tp import run_tp
 
@@ -416,8 +162,7 @@ def main() -> None:
         finally:
             for engine in engines:
                 engine.close()
-            server.terminate()
-            server.wait(30)
+            stop(server)
     report(args, rounds, hits, alone_result, first, fresh)
 
 

@@ -20,7 +20,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from benchmarks.vllm_connector import SUFFIX, Engine, cpu_pressure, make_model, ms, prompts, start_kvpool, token_bytes
+from benchmarks.processes import stop
+from benchmarks.vllm_connector import SUFFIX, cpu_pressure, make_model, ms, prompts, start_kvpool, token_bytes
+from benchmarks.vllm_timed_engine import Engine
 
 
 def run_tp(args: argparse.Namespace, tmp: str) -> None:
@@ -64,8 +66,7 @@ def run_tp(args: argparse.Namespace, tmp: str) -> None:
             finally:
                 current.close()
     finally:
-        server.terminate()
-        server.wait(30)
+        stop(server)
     report_tp(args, results, pressure)
 
 

@@ -4,7 +4,7 @@
 
 mla, fp8_*, full-hit: vLLM alone (no connector), then an engine with the connector (computes and saves the
 prompts), then a fresh engine with the connector (loads them), each in its own process with the same
-thread settings (vllm_connector.Engine: a warm-up prompt, glibc's malloc thresholds fixed); every prompt
+thread settings (vllm_timed_engine.Engine: a warm-up prompt, glibc's malloc thresholds fixed); every prompt
 is `--prompt` tokens, timed by its time to first token. Printed against the targets: a fresh-process hit
 <= 0.25x vLLM alone's cold TTFT, tokens equal vLLM alone's, and an exact repeat caching >= prompt - page
 tokens (2,032 of 2,048: page 16, block 32).
@@ -29,7 +29,10 @@ from typing import Any
 import httpx
 
 from benchmarks.pd_proxy import complete
-from benchmarks.vllm_connector import FIXED_MALLOC, REPO, Engine, make_model, prompts, start_kvpool
+from benchmarks.processes import stop
+from benchmarks.vllm_connector import make_model, prompts, start_kvpool
+from benchmarks.vllm_engine import FIXED_MALLOC, REPO
+from benchmarks.vllm_timed_engine import Engine
 
 PAGE = 16
 
@@ -89,8 +92,7 @@ def run_format(args: argparse.Namespace) -> None:
                 finally:
                     engine.close()  # (the saving engine's queued saves run at its exit)
         finally:
-            server.terminate()
-            server.wait(30)
+            stop(server)
     cold = median([r["s"] for r in runs["alone"]])
     hit = median([r["s"] for r in runs["fresh"]])
     cached = [r["cached"] for r in runs["fresh"]]
@@ -153,14 +155,7 @@ class Server:
             ) from None
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        stop(self.proc, timeout=60, close=[self.log])
 
 
 def run_pd(args: argparse.Namespace) -> None:
@@ -208,8 +203,7 @@ def run_pd(args: argparse.Namespace) -> None:
         finally:
             for server in servers:
                 server.close()
-            kvpool.terminate()
-            kvpool.wait(30)
+            stop(kvpool)
     full = [len(p) // PAGE * PAGE for p in prompt_set]
     cached = [r["pd"]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in rows]
     shares = [c / f for c, f in zip(cached, full, strict=True)]

@@ -27,6 +27,7 @@ import httpx
 import numpy as np
 import torch
 
+from benchmarks.processes import stop
 from service.cli import free_port
 
 __all__ = ["free_port"]  # re-exported: tests import it from here
@@ -75,13 +76,7 @@ class Server:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc, sig, timeout)
         if self.proc.stdout and not self.proc.stdout.closed:
             self.output = self.proc.stdout.read().decode(errors="replace")  # what it printed, for tests
             self.proc.stdout.close()

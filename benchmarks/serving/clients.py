@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.processes import stop
 from benchmarks.serving.fleet import MODEL_NAME, REPO
 
 QA_DIR = REPO / "benchmarks" / "third_party" / "multi_round_qa"
@@ -85,13 +86,7 @@ class BenchRunner:
     def close(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, None)  # its stdin closed: it leaves
 
 
 def bench_serve(

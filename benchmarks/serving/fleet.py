@@ -19,12 +19,13 @@ from typing import Any
 
 import httpx
 
+from benchmarks.processes import stop
+from benchmarks.vllm_engine import FIXED_MALLOC  # glibc's malloc thresholds fixed, as in every vLLM benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "serving-llama"
 BLOCK_SIZE = 32  # vLLM's CPU attention: a multiple of 32
 PAGE_SIZE = 16  # kvpool's page: its default; the indexer's block_size
-# glibc's malloc thresholds fixed, as benchmarks/vllm_connector.py runs every engine (see its FIXED_MALLOC).
-FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 def free_port() -> int:
@@ -70,14 +71,8 @@ class Service:
 
     def stop(self, grace_s: float = 20) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGINT)  # its own process group: the server and the children it started
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        if proc is not None:  # its own process group: the server and the children it started
+            stop(proc, signal.SIGINT, grace_s, group=True)
 
 
 def kvpool_service(

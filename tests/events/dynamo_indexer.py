@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from benchmarks.processes import stop
 from service.cli import free_port
 
 T = TypeVar("T")
@@ -101,10 +102,4 @@ class Indexer:
 
     def stop(self) -> None:
         self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+        stop(self.proc, timeout=10, close=[self._log])

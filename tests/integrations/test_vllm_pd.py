@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 from benchmarks.vllm_formats import Server
 from tests.conftest import REPO, free_port
-from tests.integrations.test_vllm import Engine, KVPool, model_dir, tokens
+from tests.integrations.test_vllm import KVPool, alone_tokens, model_dir, tokens
 
 __all__ = ["model_dir"]  # the tiny Llama fixture of test_vllm.py, shared
 NUM_REQUESTS = 20
@@ -77,11 +77,7 @@ def test_consumer_loads_every_prompt_the_producer_just_computed(
     pool, proxy = pd
     # Prompts of 100..290 tokens, none sharing a page with another (each a miss at the producer).
     prompts = [tokens(100 + i, 100 + 10 * i) for i in range(NUM_REQUESTS)]
-    alone = Engine(model_dir, None, tmp_path / "alone.log")
-    try:
-        reference = [alone.generate(p)[0]["token_ids"] for p in prompts]
-    finally:
-        alone.close()
+    reference = list(alone_tokens(model_dir, dict(enumerate(prompts)), tmp_path / "alone.log").values())
     with httpx.Client(timeout=120) as client:
         answers = [completion(client, proxy, p) for p in prompts]
     for prompt, answer, expected in zip(prompts, answers, reference, strict=True):

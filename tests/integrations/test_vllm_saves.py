@@ -2,7 +2,7 @@
 sequence of its earlier ones, frees riding on the step calls, and a refused batch split so that one
 request's refusal leaves the others saved.
 
-A real vLLM engine (tests/integrations/vllm_engine, vLLM's own prefix cache off) against a real `kvpool serve`;
+A real vLLM engine (benchmarks/vllm_engine, vLLM's own prefix cache off) against a real `kvpool serve`;
 kvpool's calls are counted from its /metrics (kvpool_request_duration_seconds_count by route and method).
 """
 

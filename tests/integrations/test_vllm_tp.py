@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm")
 
 from service.client import KVPoolClient
-from tests.integrations.test_vllm import Engine, KVPool, model_dir, tokens
+from tests.integrations.test_vllm import Engine, KVPool, alone_tokens, model_dir, tokens
 
 __all__ = ["model_dir"]  # the module-scoped fixture, shared with test_vllm's definition
 PAGE = 16
@@ -34,11 +34,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(model_dir: str, logs: Path) -> dict[str, list[int]]:
     """Each prompt's tokens from vLLM alone at tensor parallel size 2."""
-    engine = Engine(model_dir, None, logs / "alone-tp2.log", tensor_parallel=2)
-    try:
-        return {name: engine.generate(p)[0]["token_ids"] for name, p in PROMPTS.items()}
-    finally:
-        engine.close()
+    return alone_tokens(model_dir, PROMPTS, logs / "alone-tp2.log", tensor_parallel=2)
 
 
 @pytest.fixture(scope="module")

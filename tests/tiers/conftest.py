@@ -3,6 +3,7 @@ one server, or a Redis Cluster of three."""
 
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -14,6 +15,7 @@ import pytest
 import redis
 import redis.cluster
 
+from benchmarks.processes import stop
 from tests.conftest import free_port
 
 REDIS_SERVER = shutil.which("valkey-server") or shutil.which("redis-server")
@@ -47,9 +49,8 @@ class RedisServer:
         wait_for_ping(self.port)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop(self.proc, signal.SIGKILL)
         self.proc = None
 
     def client(self) -> "redis.Redis[bytes]":
@@ -136,9 +137,8 @@ class RedisClusterServers:
 
     def stop(self, port: int) -> None:
         proc = self.procs.pop(port, None)
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            stop(proc, signal.SIGKILL)
 
     def client(self, port: int) -> "redis.Redis[bytes]":
         return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, **self.tls)
@@ -202,9 +202,7 @@ class RedisTLSServer:
         return redis.Redis.from_url(self.url, socket_timeout=2)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc, signal.SIGKILL)
 
 
 @pytest.fixture
