@@ -61,19 +61,17 @@ def profile(quick: bool) -> tuple[ModelShape, Sizes, Workload, list[float]]:
         return shape, sizes, work, [4.0]
     # A prefill of the bench's 544 tokens takes 0.1-0.4 s on one core here (as loaded as the machine is).
     shape = ModelShape(layers=8, hidden=512, kv_heads=2, max_len=1536)
-    # The bench's 12 prefixes of 512 tokens are 4x what vLLM's own cache holds (with 8, it held a prefix
-    # seen in the last few prompts often enough to serve 0.30 of prompt tokens); each comes back 6 times
-    # (vLLM's own default for the dataset: 100), so that its first prompt, a miss wherever it goes, caps
-    # the share kvpool can serve at 5/6 of the prefixes' tokens. The QA's shared system prompt is a
+    # Each bench prefix comes back 8 times (vLLM's own default for the dataset: 100): with 5, a prefix's
+    # first prompt, always a miss, capped the cached fraction at 0.75. The QA's shared system prompt is a
     # small part of each prompt, as in LMCache's own runs of it (1,000 tokens against a user history of
-    # 20,000): most of a prompt is the user's own context and history; 1 request/s (1.5 kept one engine,
-    # even with kvpool, queueing for seconds: ~370 of a prompt's ~1,000 tokens to compute, 16 decode steps).
+    # 20,000): most of a prompt is the user's own context and history. (Session 12 also ran 12 prefixes x 6
+    # and the QA at 1 request/s: docs/benchmarks-history.md.)
     work = Workload(
-        prefix_len=512, suffix_len=32, num_prefixes=12, output_len=16, per_prefix=6, users=8, rounds=4,
-        system_prompt=128, user_history=768, answer_len=16, qa_qps=1.0, qa_time_s=25,
+        prefix_len=512, suffix_len=32, num_prefixes=8, output_len=16, per_prefix=8, users=8, rounds=4,
+        system_prompt=128, user_history=768, answer_len=16, qa_qps=1.5, qa_time_s=25,
     )  # fmt: skip
     # vLLM's own cache: 1,600 tokens (the longest prompt, 1,536, and its null block; under 3 of the bench's
-    # 544-token prompts, of 12 prefixes; one of the QA's 8 users' ~1,000-token histories); kvpool's pool:
+    # 544-token prompts, of 8 prefixes; one of the QA's 8 users' ~1,000-token histories); kvpool's pool:
     # 64,000 tokens (every prefix and history).
     sizes = Sizes(kv_cache_bytes=1600 * shape.kv_bytes_per_token, max_len=1536, kvpool_pages=4000, redis_bytes=1 << 30)
     # 3 req/s: where one engine alone (a) queues, its p50 TTFT over 3x its unloaded one (2.5 gave 2.9x).
