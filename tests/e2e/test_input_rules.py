@@ -186,12 +186,17 @@ def test_attention_values_float32_cannot_hold_and_a_non_finite_q_are_refused(ser
         assert torch.isfinite(dec(r.json()["out"])).all()
 
 
-def test_a_step_refuses_a_repeated_seq_id_as_attend_does_and_changes_nothing(server: Server) -> None:
-    c = server.client
+def two_sequences(c: httpx.Client) -> tuple[Any, ...]:
+    """Sequences a and b of 3 tokens each; the pool's state then (pool_state)."""
     for seq_id in ("a", "b"):
         c.post("/v1/sequences", json={"seq_id": seq_id})
         c.post(f"/v1/sequences/{seq_id}/append", json={"num_tokens": 3})
-    before = pool_state(c, ["a", "b"])
+    return pool_state(c, ["a", "b"])
+
+
+def test_a_step_refuses_a_repeated_seq_id_as_attend_does_and_changes_nothing(server: Server) -> None:
+    c = server.client
+    before = two_sequences(c)
     step = {"appends": [{"seq_id": "a", "num_tokens": 2}], "seq_ids": ["a", "b", "a"]}
     step_error = refused(c.post("/v1/step", json=step))
     q = torch.randn(2, 4, 16)
@@ -202,10 +207,7 @@ def test_a_step_refuses_a_repeated_seq_id_as_attend_does_and_changes_nothing(ser
 
 def test_a_step_that_frees_a_missing_sequence_is_refused_whole(server: Server) -> None:
     c = server.client
-    for seq_id in ("a", "b"):
-        c.post("/v1/sequences", json={"seq_id": seq_id})
-        c.post(f"/v1/sequences/{seq_id}/append", json={"num_tokens": 3})
-    before = pool_state(c, ["a", "b"])
+    before = two_sequences(c)
     answer = c.post("/v1/step", json={"appends": [{"seq_id": "a", "num_tokens": 2}], "free": ["b", "gone"]})
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "sequence_not_found"
     overlap = refused(c.post("/v1/step", json={"appends": [{"seq_id": "a", "num_tokens": 2}], "free": ["a"]}))
