@@ -145,18 +145,18 @@ def summarize(counters: dict[str, dict[str, float]]) -> dict[str, Any]:
 def _by_route(counters: dict[str, float]) -> dict[str, tuple[float, float]]:
     """kvpool's HTTP calls and seconds per "METHOD route", the benchmark's own calls (its scrapes, its polls
     of the pool, its resets) left out."""
-    routes: dict[str, tuple[float, float]] = {}
+    calls: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     for key, value in counters.items():
-        for suffix, slot in (("_count{", 0), ("_sum{", 1)):
-            if key.startswith("kvpool_request_duration_seconds" + suffix):
-                labels = dict(pair.split("=", 1) for pair in key[key.index("{") + 1 : -1].split(","))
-                name = f"{labels.get('method', '')} {labels.get('route', '')}".strip()
-                if name in OWN_CALLS:
-                    continue
-                n_s = list(routes.get(name, (0.0, 0.0)))
-                n_s[slot] += value
-                routes[name] = (n_s[0], n_s[1])
-    return routes
+        metric, _, labels = key.rstrip("}").partition("{")
+        if metric not in ("kvpool_request_duration_seconds_count", "kvpool_request_duration_seconds_sum"):
+            continue
+        named = dict(pair.split("=", 1) for pair in labels.split(","))
+        name = f"{named.get('method', '')} {named.get('route', '')}".strip()
+        if name not in OWN_CALLS:
+            into = calls if metric.endswith("_count") else seconds
+            into[name] = into.get(name, 0.0) + value
+    return {name: (calls[name], seconds.get(name, 0.0)) for name in calls}
 
 
 def _ratio(counters: dict[str, float], hits: str, queries: str) -> float:

@@ -79,15 +79,10 @@ def free_all(link: KVPoolLink, free: list[str]) -> None:
 
 
 def _batched(link: KVPoolLink, items: list[Append], commit: list[str], free: list[str]) -> list[Appended | None]:
+    # (The scheduler frees a sequence once, never one it appends to or commits in the same call; were it
+    # to, kvpool would refuse the step whole and the split below would carry on.)
     appended_ids = [item.seq_id for item in items]
-    # kvpool refuses a step that frees a sequence twice, or one it appends or lists: a freed one is committed
-    # by its free (not listed), and one appended (never planned so) is not freed.
-    free = list(dict.fromkeys(free))
-    if overlap := set(free) & set(appended_ids):
-        link.stats["internal_errors"] += len(overlap)
-        free = [seq_id for seq_id in free if seq_id not in overlap]
-    named = set(appended_ids) | set(free)
-    listed = appended_ids + [seq_id for seq_id in commit if seq_id not in named]
+    listed = appended_ids + [seq_id for seq_id in commit if seq_id not in set(appended_ids)]
     appends = [(item.seq_id, item.end - item.start, item.token_ids) for item in items]
     try:
         step = link.client.step(appends, listed, instance=True, free=free)

@@ -206,6 +206,7 @@ class KVPoolConnectorScheduler:
         # first for a save with no sequence).
         kept = {h.seq_id for h in held.values()}
         appended = self._thread.call(lambda: self._append(planned, commit, kept, frees))
+        self._flush_frees()  # (those that found no call to ride on: off the step, on the connector's thread)
         if appended is None:  # kvpool unusable now: no save this step; the held sequences stay held
             self._held.update(held)
             self._to_commit.update(commit)
@@ -241,15 +242,15 @@ class KVPoolConnectorScheduler:
         self, planned: list[Planned], commit: list[str], kept: set[str], frees: list[str]
     ) -> list[Appended | None] | None:
         """On the connector's thread: the appends of the pages of tokens [kvpool's, end) of each request (None
-        for a save with nothing to append, or that kvpool refused), `frees` freed in the same call; None when
-        kvpool is not usable now (the pins are released once it answers again; the held sequences, `kept`,
-        stay held; `frees` are tried all the same)."""
+        for a save with nothing to append, or that kvpool refused), `frees` freed in the same call (or, with
+        no call to ride on, handed back to be sent at once without the step waiting); None when kvpool is not
+        usable now (the pins are released once it answers again; the held sequences, `kept`, stay held)."""
         link = self._link
         if not link.usable():
             for _, _, base in planned:
                 if base is not None and base[0] not in kept:
                     link.forget(base[0])  # a pin: released once kvpool answers again
-            free_all(link, frees)
+            self._hand_back(frees)
             return None
         items: list[Append] = []
         for req_id, end, base in planned:
@@ -265,9 +266,15 @@ class KVPoolConnectorScheduler:
                 continue
             items.append(Append(req_id, seq_id, start, end, list(request.all_token_ids[start:end])))
         if not items:
-            free_all(link, frees)
+            self._hand_back(frees)
             return []
         return append_all(link, items, commit, frees)
+
+    def _hand_back(self, frees: list[str]) -> None:
+        """Frees that found no call to ride on: the next _flush_frees sends them at once (they have waited)."""
+        if frees:
+            self._to_free[:0] = frees
+            self._free_since = 0.0
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """The ranks' reports of this step (summed over them): commit each save every rank has written."""
