@@ -135,6 +135,11 @@ def router_service(run_dir: Path, name: str, backends: list[str], policy: str, *
     return Service(name, cmd, run_dir / f"{name}.log", {}, f"http://127.0.0.1:{port}/router/health")
 
 
+def pid_of(service: Service) -> int:
+    assert service.proc is not None, f"{service.name} is not running"
+    return service.proc.pid
+
+
 def url_of(service: Service) -> str:
     """The service's base URL, from its --port."""
     return f"http://127.0.0.1:{service.cmd[service.cmd.index('--port') + 1]}"

@@ -11,6 +11,7 @@ time, server side).
 
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -92,6 +93,21 @@ def routing(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "tokenizer_checked": after["checked"],  # requests whose ids vLLM's /tokenize confirmed (so far, in all)
         "tokenizer_mismatches": after["mismatches"],
     }
+
+
+def cpu_times(pids: list[int]) -> tuple[int, int]:
+    """The CPU time of every thread of these processes so far, and their time runnable but waiting for a
+    core (ns; the kernel's /proc/PID/task/TID/schedstat; (0, 0) where it has none): under load the second
+    says how much of a server's time per call is the machine's, not the server's."""
+    ran = waited = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                on_cpu, on_queue, _ = (task / "schedstat").read_text().split()
+            except (OSError, ValueError):  # a thread gone meanwhile, or no schedstat in this kernel
+                continue
+            ran, waited = ran + int(on_cpu), waited + int(on_queue)
+    return ran, waited
 
 
 def wait_idle(kvpools: list[str], timeout_s: float = 60) -> int:

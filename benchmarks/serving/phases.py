@@ -20,6 +20,7 @@ from benchmarks.serving.fleet import (
     free_port,
     indexer_service,
     kvpool_service,
+    pid_of,
     redis_service,
     router_service,
     url_of,
@@ -54,6 +55,7 @@ class Target:
     engines: list[str]
     kvpools: list[str] = field(default_factory=list)
     redis: str = ""
+    kvpool_pids: list[int] = field(default_factory=list)  # its kvpool servers' (their CPU time is read)
 
     @property
     def url(self) -> str:
@@ -87,7 +89,8 @@ def shared_pool(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes) -> list[
     rb = router_service(run_dir, "router-b", [b1], "rr")
     rd = router_service(run_dir, "router-d", [b1, b2], "rr")
     start_routers(fleet, [rb, rd])
-    return [Target("b", rb, [b1], [k]), Target("d", rd, [b1, b2], [k])]
+    pids = [pid_of(pool)]
+    return [Target("b", rb, [b1], [k], kvpool_pids=pids), Target("d", rd, [b1, b2], [k], kvpool_pids=pids)]
 
 
 def two_nodes(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes, dynamo: bool) -> list[Target]:
@@ -116,7 +119,7 @@ def two_nodes(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes, dynamo: bo
             httpx.post(f"{url_of(indexer)}/register", json=register, timeout=30).raise_for_status()
         routers.append(router_service(run_dir, "router-f", [e1, e2], "dynamo", indexer=url_of(indexer), model=model))
     start_routers(fleet, routers)
-    nodes = {"engines": [e1, e2], "kvpools": [k1, k2], "redis": redis_url}
+    nodes = {"engines": [e1, e2], "kvpools": [k1, k2], "redis": redis_url, "kvpool_pids": [pid_of(p) for p in pools]}
     targets = [Target("e", routers[0], **nodes)]  # type: ignore[arg-type]
     if dynamo:
         targets.append(Target("f", routers[2], **nodes))  # type: ignore[arg-type]

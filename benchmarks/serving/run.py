@@ -61,17 +61,19 @@ def profile(quick: bool) -> tuple[ModelShape, Sizes, Workload, list[float]]:
         return shape, sizes, work, [4.0]
     # A prefill of the bench's 544 tokens takes 0.1-0.4 s on one core here (as loaded as the machine is).
     shape = ModelShape(layers=8, hidden=512, kv_heads=2, max_len=1536)
-    # Each bench prefix comes back 8 times (vLLM's own default for the dataset: 100): with 5, a prefix's
-    # first prompt, always a miss, capped the cached fraction at 0.75. The QA's shared system prompt is a
-    # small part of each prompt, as in LMCache's own runs of it (1,000 tokens against a user history of
-    # 20,000): most of a prompt is the user's own context and history. (Session 12 also ran 12 prefixes x 6
-    # and the QA at 1 request/s: docs/benchmarks-history.md.)
+    # The bench: 16 prefixes, each back 4 times (64 prompts, shuffled). vLLM's own cache holds under 3 of its
+    # prompts, so vLLM alone finds a prefix only when one of the last two or three prompts shared it: with 8
+    # prefixes x 8 (session 12) that was 0.30 of the prompt tokens, and kvpool's ceiling, 7/8 of the prefixes'
+    # tokens, only 2.7x as much. The QA's shared system prompt is a small part of each prompt, as in LMCache's
+    # own runs of it (1,000 tokens against a user history of 20,000): most of a prompt is the user's own
+    # context and history. (Session 12 also ran 12 prefixes x 6 and the QA at 1 request/s:
+    # docs/benchmarks-history.md.)
     work = Workload(
-        prefix_len=512, suffix_len=32, num_prefixes=8, output_len=16, per_prefix=8, users=8, rounds=4,
+        prefix_len=512, suffix_len=32, num_prefixes=16, output_len=16, per_prefix=4, users=8, rounds=4,
         system_prompt=128, user_history=768, answer_len=16, qa_qps=1.5, qa_time_s=25,
     )  # fmt: skip
     # vLLM's own cache: 1,600 tokens (the longest prompt, 1,536, and its null block; under 3 of the bench's
-    # 544-token prompts, of 8 prefixes; one of the QA's 8 users' ~1,000-token histories); kvpool's pool:
+    # 544-token prompts, of 16 prefixes; one of the QA's 8 users' ~1,000-token histories); kvpool's pool:
     # 64,000 tokens (every prefix and history).
     sizes = Sizes(kv_cache_bytes=1600 * shape.kv_bytes_per_token, max_len=1536, kvpool_pages=4000, redis_bytes=1 << 30)
     # 3 req/s: where one engine alone (a) queues, its p50 TTFT over 3x its unloaded one (2.5 gave 2.9x).
@@ -103,6 +105,7 @@ def run_once(
     measure.wait_idle(target.kvpools)
     measure.reset(target.engines, target.kvpools, target.redis)
     before = measure.snapshot(target.engines, target.kvpools)
+    cpu_before = measure.cpu_times(target.kvpool_pids)
     routed_before = measure.router_stats(target.url)
     log_start = len(target.log.read_text().splitlines()) if target.log.exists() else 0
     label = f"{target.name}-{'unloaded' if unloaded else client}-{rate:g}"
@@ -115,6 +118,7 @@ def run_once(
         result = clients.multi_round_qa(target.url, run_dir / f"{label}.csv", work)
     pages_left = measure.wait_idle(target.kvpools)
     after = measure.snapshot(target.engines, target.kvpools)
+    cpu_after = measure.cpu_times(target.kvpool_pids)
     lines = [json.loads(line) for line in target.log.read_text().splitlines()[log_start:]]
     server = measure.summarize({k: measure.delta(after[k], before[k]) for k in after})
     ttft, itl = result["ttft_s"], result["itl_s"]
@@ -135,6 +139,9 @@ def run_once(
     run["router"] = measure.routing(routed_before, measure.router_stats(target.url))
     if server["kvpool_http_requests"] and result["completed"]:
         bookkeeping(run, server, result["completed"])
+        # kvpool's servers (all their threads, the whole run): CPU time, and time runnable waiting for a core.
+        run["kvpool_cpu_ms_per_request"] = (cpu_after[0] - cpu_before[0]) / 1e6 / result["completed"]
+        run["kvpool_cpu_wait_ms_per_request"] = (cpu_after[1] - cpu_before[1]) / 1e6 / result["completed"]
     run["samples"] = replay_here(target, lines, replays)
     print(summary_line(run), flush=True)
     return run

@@ -47,7 +47,9 @@ from service.integrations.vllm_thread import ConnectorThread
 
 LOAD_WAIT_POLL_S = 0.005  # a consumer's lookup asks kvpool again this often while it waits
 # Frees wait this long at most for a step call with saves to ride on while the engine has requests (an engine
-# with none sends them at once): under load, a call of frees alone cost about what a free each did.
+# with none sends them at once): under load, a call of frees alone cost about what a free each did. Not
+# longer: a free may commit its sequence's last written pages, which the next round of a conversation looks
+# up (and 1 s left as many calls of frees alone in the fleet: most go when the engine has no request left).
 FREE_WAIT_S = 0.25
 Planned = tuple[str, int, tuple[str, int] | None]  # a save: request, its tokens [0, end) saved, (sequence, length)
 

@@ -70,6 +70,8 @@ def test_kvpool_was_used_and_released_every_page(report: dict[str, Any]) -> None
             assert server["kvpool_query_tokens"] > 0, run["label"]
             assert server["connector"].get("lookup_ns", 0) > 0, run["label"]
             assert server["connector"].get("saved_tokens", 0) > 0, run["label"]
+            # the servers' own CPU time, read from the kernel (/proc/PID/task/*/schedstat), over the run
+            assert run["kvpool_cpu_ms_per_request"] > 0 and run["kvpool_cpu_wait_ms_per_request"] >= 0, run["label"]
         else:
             assert server["kvpool_query_tokens"] == 0 and server["connector"] == {}, run["label"]
     # two engines sharing one pool: the second engine loads what the first one saved
