@@ -117,11 +117,13 @@ class Calls:
         token_ids: Sequence[int] | None,
         ttl_s: float | None = None,
         cache_salt: str | None = None,
+        instance: bool = False,
     ) -> Call[SequenceInfo]:
         fields: dict[str, Any] = {"seq_id": seq_id, "token_ids": None if token_ids is None else list(token_ids)}
         fields |= {"ttl_s": ttl_s, "cache_salt": cache_salt}
         body = {name: value for name, value in fields.items() if value is not None}
-        return Call("POST", "/v1/sequences", SequenceInfo.model_validate_json, body)
+        path = f"/v1/sequences{'?instance=true' if instance else ''}"
+        return Call("POST", path, SequenceInfo.model_validate_json, body)
 
     @staticmethod
     def get_sequence(seq_id: str, instance: bool = False) -> Call[SequenceInfo]:

@@ -58,10 +58,12 @@ class KVPoolClient(_Base):
         token_ids: Sequence[int] | None = None,
         ttl_s: float | None = None,
         cache_salt: str | None = None,
+        instance: bool = False,
     ) -> SequenceInfo:
         """ttl_s: the sequence's lease (default KVPOOL_DEFAULT_TTL_S; 0: none), renewed by every call naming it.
-        cache_salt: prefixes are shared only between sequences with the same salt (and tenant)."""
-        return self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt))
+        cache_salt: prefixes are shared only between sequences with the same salt (and tenant).
+        instance: the answer's .instance_id names the server's instance (whose pool holds the pages)."""
+        return self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt, instance))
 
     def get_sequence(self, seq_id: str, instance: bool = False) -> SequenceInfo:
         """instance: the answer's .instance_id names the server's instance."""
@@ -160,10 +162,12 @@ class AsyncKVPoolClient(_Base):
         token_ids: Sequence[int] | None = None,
         ttl_s: float | None = None,
         cache_salt: str | None = None,
+        instance: bool = False,
     ) -> SequenceInfo:
         """ttl_s: the sequence's lease (default KVPOOL_DEFAULT_TTL_S; 0: none), renewed by every call naming it.
-        cache_salt: prefixes are shared only between sequences with the same salt (and tenant)."""
-        return await self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt))
+        cache_salt: prefixes are shared only between sequences with the same salt (and tenant).
+        instance: the answer's .instance_id names the server's instance (whose pool holds the pages)."""
+        return await self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt, instance))
 
     async def get_sequence(self, seq_id: str, instance: bool = False) -> SequenceInfo:
         """instance: the answer's .instance_id names the server's instance."""

@@ -184,7 +184,7 @@ class KVPoolLink:
         """
         seq_id = uuid.uuid4().hex
         try:
-            return self.client.create_sequence(seq_id, token_ids, ttl_s=0, cache_salt=cache_salt)
+            return self.client.create_sequence(seq_id, token_ids, ttl_s=0, cache_salt=cache_salt, instance=True)
         except (httpx.TimeoutException, httpx.ReadError, httpx.RemoteProtocolError) as exc:
             self._orphans.add(seq_id)  # the request went out: the server may have run it
             self.record(exc)
@@ -209,17 +209,6 @@ class KVPoolLink:
         except (httpx.HTTPError, KVPoolError) as exc:
             self.record(exc)
             self._orphans.add(seq_id)
-
-    def holds(self, seq_id: str) -> bool:
-        """The server answering now is the mapped instance and has sequence `seq_id`: one call, the answer
-        naming its instance."""
-        info = self.call(lambda: self.client.get_sequence(seq_id, instance=True))
-        if info is None:
-            return False
-        if info.instance_id != self.instance_id:
-            self.fault("restarted", f"instance {self.instance_id} -> {info.instance_id}")
-            return False
-        return True
 
     def close(self) -> None:
         if self.pool is not None:

@@ -10,11 +10,12 @@ calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the 
 (2; how long a consumer's lookup waits for the tokens a producer announced in kv_transfer_params).
 
 Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is the cached
-prefix, held (not evictable) until its first save, or until the request finishes or is aborted. The hit
-answered is that prefix cut to vLLM's block size: one call per request, whatever the number of ranks. Worker
-side, on every rank: the loads copy the rank's part of the pinned pages into vLLM's blocks before the forward,
-then check that the pin still lives on the server whose pool is mapped (one call, whose answer names the
-instance; else the blocks are reported as load errors and vLLM recomputes them). Saves: every request whose
+prefix, held (not evictable) until its first save, or until the request finishes or is aborted, and until
+every rank has reported its loads from it. The hit answered is that prefix cut to vLLM's block size: one call
+per request, whatever the number of ranks, whose answer names the server instance. Worker side, on every rank:
+the loads copy the rank's part of the pinned pages into vLLM's blocks before the forward, without a call, if
+the pin's instance is the one whose pool is mapped (else the blocks are reported as load errors and vLLM
+recomputes them). Saves: every request whose
 computed tokens filled more kvpool pages gets a save; the scheduler appends its pages, all of a step's in one
 call (to the request's pin, which holds what kvpool had at the lookup, then to the sequence of its earlier
 saves, or to a sequence created from its token ids: what kvpool has already is matched, not copied), each rank

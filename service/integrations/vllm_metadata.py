@@ -19,7 +19,8 @@ FP8_CACHES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "
 
 @dataclass
 class LoadJob:
-    """Copy tokens [start, start + count) from kvpool `pages` (the pin's) into vLLM `block_ids`."""
+    """Copy tokens [start, start + count) from kvpool `pages` (the pin's, made on server `instance_id`) into vLLM
+    `block_ids`. The scheduler holds the pin until every rank has reported the load (KVPoolWorkerMeta.loaded)."""
 
     req_id: str
     pin_id: str
@@ -27,6 +28,7 @@ class LoadJob:
     start: int
     count: int
     block_ids: list[int]
+    instance_id: str
 
 
 @dataclass
@@ -56,16 +58,20 @@ class KVPoolMetadata(KVConnectorMetadata):
 @dataclass
 class KVPoolWorkerMeta(KVConnectorWorkerMetadata):
     """What a worker tells the scheduler after a step, summed over the ranks by vLLM (KVOutputAggregator):
-    per save, how many ranks wrote their part and how many could not; and the workers' counters since their
-    last report."""
+    per save, how many ranks wrote their part and how many could not; per pin, how many ranks are done loading
+    from it (read or not); and the workers' counters since their last report."""
 
     written: Counter[int] = field(default_factory=Counter)
     failed: Counter[int] = field(default_factory=Counter)
     stats: Counter[str] = field(default_factory=Counter)
+    loaded: Counter[str] = field(default_factory=Counter)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVPoolWorkerMeta":
         assert isinstance(other, KVPoolWorkerMeta)
-        return KVPoolWorkerMeta(self.written + other.written, self.failed + other.failed, self.stats + other.stats)
+        return KVPoolWorkerMeta(
+            self.written + other.written, self.failed + other.failed, self.stats + other.stats,
+            self.loaded + other.loaded,
+        )  # fmt: skip
 
 
 Job = TypeVar("Job", LoadJob, SaveJob)
@@ -87,6 +93,7 @@ class Pin:
     pages: list[int]  # the pages of tokens [0, hit)
     hit: int  # cached tokens vLLM is offered: every one but the prompt's last
     cached: int  # cached tokens as kvpool reported them (full pages)
+    instance_id: str  # the server instance the pin was made on (whose pool holds its pages)
     start: int = 0  # tokens vLLM had locally when it asked
 
 

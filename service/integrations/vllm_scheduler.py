@@ -2,7 +2,9 @@
 commits what every rank has saved.
 
 A new request's token ids create a kvpool sequence (the *pin*): its block table is the cached prefix,
-held (not evictable) until its first save, or until the request finishes or is aborted. The hit answered
+held (not evictable) until its first save, or until the request finishes or is aborted, and in any case
+until every rank has reported its loads from it (KVPoolWorkerMeta.loaded): a rank copies its pages without
+asking kvpool again, having checked only that the pin was made on the instance whose pool it maps. The hit answered
 is every token of that prefix but the prompt's last (vLLM computes at least one token): one call per
 request, however many ranks load it. The lookup sends one token more than the prompt, so that kvpool, which
 never matches a prompt's last token, may match the page holding it; the loads then end inside a vLLM block
@@ -35,6 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -109,6 +112,10 @@ class KVPoolConnectorScheduler:
         self._to_free: list[str] = []  # sequences released (committing) since the last step call: ride on the next
         self._free_since = 0.0  # when the oldest of them was released (monotonic)
         self._next_save_id = 0
+        # Pins whose loads not every rank has reported yet (rank reports to come), and what to do with each once
+        # they have: a pin released meanwhile (its request finished or was aborted) stays held until then.
+        self._loading: Counter[str] = Counter()
+        self._deferred: dict[str, Callable[[], None]] = {}
         self.worker_stats: Counter[str] = Counter()  # the workers' counters, summed over the ranks
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -155,7 +162,7 @@ class KVPoolConnectorScheduler:
         self._saved[request.request_id] = max(self._saved.get(request.request_id, 0), info.cached_tokens)
         # Kept even without a hit: the request's first save appends to it (build_connector_meta).
         pages = info.block_table[: -(-hit // link.page_size)]
-        pin = Pin(info.seq_id, pages, hit, info.cached_tokens)
+        pin = Pin(info.seq_id, pages, hit, info.cached_tokens, info.instance_id or "")
         self._pins[request.request_id] = pin
         return pin
 
@@ -169,6 +176,7 @@ class KVPoolConnectorScheduler:
                 pin.start,
                 num_external_tokens,
                 list(blocks.get_block_ids()[0]),
+                pin.instance_id,
             )
             self._loads.append(job)
 
@@ -177,6 +185,8 @@ class KVPoolConnectorScheduler:
     ) -> KVConnectorMetadata:
         meta = KVPoolMetadata(loads=self._loads)
         self._loads = []
+        for load in meta.loads:
+            self._loading[load.pin_id] += self._num_ranks
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
         page_size = self._link.page_size
         if not page_size or manager is None or not self._role.saves:
@@ -250,8 +260,8 @@ class KVPoolConnectorScheduler:
         link = self._link
         if not link.usable():
             for _, _, base in planned:
-                if base is not None and base[0] not in kept:
-                    link.forget(base[0])  # a pin: released once kvpool answers again
+                if base is not None and base[0] not in kept:  # a pin: released once kvpool answers again
+                    self._after_loads(base[0], partial(link.forget, base[0]))
             self._hand_back(frees)
             return None
         items: list[Append] = []
@@ -284,6 +294,13 @@ class KVPoolConnectorScheduler:
         if not isinstance(meta, KVPoolWorkerMeta):
             return
         self.worker_stats.update(meta.stats)
+        for pin_id, ranks in meta.loaded.items():  # (first: a save that follows a load reports no earlier)
+            self._loading[pin_id] -= ranks
+            if self._loading[pin_id] <= 0:
+                del self._loading[pin_id]
+                deferred = self._deferred.pop(pin_id, None)
+                if deferred is not None:
+                    deferred()
         for save_id in set(meta.written) | set(meta.failed):
             save = self._open.get(save_id)
             if save is None:
@@ -352,7 +369,12 @@ class KVPoolConnectorScheduler:
         return min(tokens, num_tokens) // page_size * page_size
 
     def discard_open_saves(self) -> None:
-        """At shutdown: saves not reported by every rank are released uncommitted."""
+        """At shutdown: saves not reported by every rank are released uncommitted (and pins whose loads were
+        not reported, as asked)."""
+        self._loading.clear()
+        for deferred in list(self._deferred.values()):
+            deferred()
+        self._deferred.clear()
         for save in self._open.values():
             self._release(save.seq_id, commit=False)
         self._open.clear()
@@ -364,7 +386,10 @@ class KVPoolConnectorScheduler:
     def _release(self, seq_id: str, commit: bool = True) -> None:
         """Free a sequence: on a later step call (its pages committed), the next with saves or one of frees
         alone that _flush_frees sends; commit=False: now, on the connector's thread, its pages not committed
-        yet released uncommitted. vLLM's scheduler does not wait for either."""
+        yet released uncommitted. vLLM's scheduler does not wait for either. A pin whose loads not every rank has
+        reported is released once they have."""
+        if self._after_loads(seq_id, partial(self._release, seq_id, commit)):
+            return
         self._to_commit.discard(seq_id)
         if commit:
             if not self._to_free:
@@ -372,6 +397,14 @@ class KVPoolConnectorScheduler:
             self._to_free.append(seq_id)
         else:
             self._submit_release(lambda: self._link.discard(seq_id))
+
+    def _after_loads(self, seq_id: str, action: Callable[[], None]) -> bool:
+        """Defer `action` (releasing the pin `seq_id`) until every rank has reported its loads from it: True if
+        deferred. Until then its pages stay held, so that none is reused while a rank copies from it."""
+        if self._loading.get(seq_id, 0) <= 0:
+            return False
+        self._deferred[seq_id] = action
+        return True
 
     def _flush_frees(self, now: bool = False) -> None:
         """The sequences released since the last step call, freed in one call on the connector's thread: when

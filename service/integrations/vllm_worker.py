@@ -90,6 +90,7 @@ class KVPoolConnectorWorker:
         self._finishing: set[str] = set()  # of those, the finished ones whose saves are still pending
         self._written: Counter[int] = Counter()  # saves done since the last report, by save_id: written
         self._failed: Counter[int] = Counter()  # ... and not written
+        self._loaded: Counter[str] = Counter()  # loads done since the last report (read or not), by pin
         self._reported: Counter[str] = Counter()  # the counters as last reported
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -181,7 +182,10 @@ class KVPoolConnectorWorker:
     def _run_loads(self, loads: list[LoadJob]) -> None:
         began = time.perf_counter_ns()
         for job in loads:
-            if not self._guarded(self._load, job):
+            loaded = self._guarded(self._load, job)
+            with self._lock:
+                self._loaded[job.pin_id] += 1  # the scheduler holds the pin until every rank says so
+            if not loaded:
                 self._link.stats["load_failures"] += 1
                 self._failed_reqs.add(job.req_id)
                 first, stop = job.start // self._block_size, -(-(job.start + job.count) // self._block_size)
@@ -192,6 +196,12 @@ class KVPoolConnectorWorker:
         link = self._link
         if not link.usable():  # may map a new pool (a restart): read link.pool after it
             return False
+        # The pin's pages are in the pool mapped here if the pin was made on its instance (a server's id is new
+        # at every start). They hold their K/V throughout the copy: the scheduler keeps the pin until every rank
+        # has reported this load, and no writer writes into the pool of an instance other than its step's.
+        if link.instance_id != job.instance_id:  # restarted: map the new pool, if it is the one the pin is on
+            if not link.connect(at_start=False) or link.instance_id != job.instance_id:
+                return False
         pool = link.pool
         if pool is None:
             return False
@@ -210,11 +220,6 @@ class KVPoolConnectorWorker:
         else:
             self._copier.load(self._shard.of(pool.blocks), job.pages, job.block_ids, job.start, end)
         link.stats["load_copy_ns"] += time.perf_counter_ns() - began
-        # The copy is right only if the pin (hence its pages) lived throughout on the mapped server: the pin
-        # exists now on the mapped instance (one call, its answer naming the instance; a server loses its
-        # sequences when it stops and its id is new at every start, so the pin was there all along).
-        if not link.holds(job.pin_id):
-            return False
         link.stats["loaded_tokens"] += job.count
         return True
 
@@ -281,17 +286,17 @@ class KVPoolConnectorWorker:
         return True
 
     def build_connector_worker_meta(self) -> KVPoolWorkerMeta | None:
-        """The saves done since the last step, written or not, and the counters' growth since: vLLM sums them
-        over the ranks for the scheduler."""
+        """The saves done since the last step, written or not, the loads done (by pin), and the counters'
+        growth since: vLLM sums them over the ranks for the scheduler."""
         with self._lock:
-            written, failed = self._written, self._failed
-            self._written, self._failed = Counter(), Counter()
+            written, failed, loaded = self._written, self._failed, self._loaded
+            self._written, self._failed, self._loaded = Counter(), Counter(), Counter()
         now = Counter(dict(self._link.stats)) + Counter(dict(self._waits))  # (dict(): one C-level copy each)
         grown = now - self._reported
         self._reported = now
-        if not (written or failed or grown):
+        if not (written or failed or grown or loaded):
             return None
-        return KVPoolWorkerMeta(written, failed, grown)
+        return KVPoolWorkerMeta(written, failed, grown, loaded)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The finished requests whose saves are all done: vLLM may free their blocks now."""

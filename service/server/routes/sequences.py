@@ -50,12 +50,15 @@ def sequence_body(pool: PoolState, seq: Sequence) -> dict[str, Any]:
 
 
 @routes.post("/v1/sequences", body=CreateSequence, status_code=201, response_model=SequenceOut, responses=ERRORS)
-async def create_sequence(request: Request, pool: StateDep, tenant: TenantDep) -> Response:
+async def create_sequence(
+    request: Request, pool: StateDep, tenant: TenantDep, instance: InstanceQuery = False
+) -> Response:
     """Allocate a sequence; with token_ids it starts on the longest cached prefix of full pages."""
     body = await read_json(request, CreateSequence)
     ttl_s = pool.settings.default_ttl_s if body.ttl_s is None else body.ttl_s
     seq = await pool.create_sequence(body.seq_id, body.token_ids, tenant, ttl_s, body.cache_salt or "")
-    return json_response(sequence_body(pool, seq), 201)
+    answer = sequence_body(pool, seq)
+    return json_response({**answer, "instance_id": pool.instance_id} if instance else answer, 201)
 
 
 @routes.get("/v1/sequences/{seq_id}", response_model=SequenceOut, responses=ERRORS)
