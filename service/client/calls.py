@@ -7,9 +7,8 @@ envelope's code and details by the wire's table of error codes.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-import httpx
 import orjson
 import torch
 from pydantic import ValidationError
@@ -53,7 +52,20 @@ def _tensor(name: str, tensor: TensorOut) -> torch.Tensor:
     return decode(name, tensor.dtype, tensor.shape, tensor.data)
 
 
-def check_response(response: httpx.Response) -> bytes:
+class Response(Protocol):
+    """What check_response reads of an answer: httpx.Response (the async client) or http1.Answer (the sync one)."""
+
+    @property
+    def status_code(self) -> int: ...
+    @property
+    def content(self) -> bytes: ...
+    @property
+    def is_success(self) -> bool: ...
+    @property
+    def text(self) -> str: ...
+
+
+def check_response(response: Response) -> bytes:
     """The body of a successful answer; otherwise raise its error envelope as the typed exception."""
     if response.is_success:
         return response.content

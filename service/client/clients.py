@@ -1,4 +1,5 @@
-"""KVPoolClient (sync) and AsyncKVPoolClient on httpx: one method per endpoint, torch tensors in and out.
+"""KVPoolClient (blocking, on http.client: service/client/http1.py) and AsyncKVPoolClient (on httpx): one
+method per endpoint, torch tensors in and out.
 
 Results are the wire's response models (StepResult: its tensors decoded). Errors come back as the
 core's typed exceptions (OutOfPages, SequenceNotFound, ...), chosen by the envelope's `code`, their
@@ -22,6 +23,7 @@ import orjson
 import torch
 
 from service.client.calls import AppendResult, Call, Calls, SequenceInfo, StepAppend, StepResult, T, check_response
+from service.client.http1 import KeptConnection
 from service.ipc.attach import AttachedPool
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -35,19 +37,19 @@ class _Base:
 
 
 def _body(call: Call[Any]) -> dict[str, Any]:
-    """The request's body as httpx's arguments: JSON encoded by orjson (a 2,048-token list in ~20 us, the
+    """The request's body as the transports' arguments: JSON encoded by orjson (a 2,048-token list in ~20 us, the
     standard library's json, which httpx's json= uses, in ~180 us: the vLLM connector sends one per lookup)."""
     return {} if call.json is None else {"content": orjson.dumps(call.json), "headers": JSON_HEADERS}
 
 
 class KVPoolClient(_Base):
-    """Blocking client; a context manager that closes its connection pool."""
+    """Blocking client, one request at a time (one kept-alive connection); a context manager that closes it."""
 
     def __init__(
         self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, timeout: float = 30.0
     ) -> None:
         super().__init__(base_url, api_key)
-        self.http = httpx.Client(base_url=base_url, headers=self.headers, timeout=timeout)
+        self.http = KeptConnection(base_url, self.headers, timeout)
 
     def _run(self, call: Call[T]) -> T:
         return call.parse(check_response(self.http.request(call.method, call.path, **_body(call))))

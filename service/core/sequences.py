@@ -267,11 +267,12 @@ class SequenceTable:
         self._generation += 1
         change = plan.change
         self._tenant_pages[plan.tenant] = self._tenant_pages.get(plan.tenant, 0) + plan.num_held
+        # (A prefix hit's pages need not have sat in a row here: a tier restored them.)
+        self.blocks.ensure_width(plan.most_pages)
         if isinstance(change, NewRow):  # a fork or a prefix hit: nothing appended, nothing to commit
-            ext = change.place(plan.num_new, self.blocks, self.allocator)  # (its pages fit: they sat in a row)
+            ext = change.place(plan.num_new, self.blocks, self.allocator)
             self.registry.add(change.seq)
             return ext
-        self.blocks.ensure_width(plan.most_pages)
         self.prefixes.commit_changed(change)  # the pages of earlier appends are written by now
         ext = change.place(plan.num_new, self.blocks, self.allocator)
         self.stats.tokens_appended += plan.num_tokens

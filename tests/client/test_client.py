@@ -3,6 +3,7 @@
 import asyncio
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
 
@@ -121,9 +122,9 @@ def test_errors_from_the_server_are_typed(client: KVPoolClient, url: str) -> Non
     with pytest.raises(errors.OutOfPages) as oop:
         client.append("dup", 100)  # 25 pages of a 16-page pool
     assert (oop.value.needed, oop.value.available, oop.value.code) == (25, 16, "out_of_pages")
-    envelope = client.http.post("/v1/sequences/dup/append", json={"num_tokens": 100}).json()["error"]
+    envelope = httpx.post(url + "/v1/sequences/dup/append", json={"num_tokens": 100}).json()["error"]
     assert envelope["details"] == {"needed": 25, "available": 16}  # the fields as data, not only in the message
-    assert client.http.get("/v1/sequences/nobody").json()["error"]["details"] == {"seq_id": "nobody"}
+    assert httpx.get(url + "/v1/sequences/nobody").json()["error"]["details"] == {"seq_id": "nobody"}
     assert client.get_sequence("dup").length == 0, "a failed append changes nothing"
     with pytest.raises(errors.InvalidRequest, match="layer 5 is out of range"):
         client.attend(5, ["dup"], torch.randn(1, 4, 16))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from service.core import batching
+from service.core.cache_listener import RESTORED
 from service.core.errors import (
     AttendTooLarge,
     InvalidRequest,
@@ -301,6 +302,23 @@ def test_prefix_hit_after_a_free_reuses_the_full_pages() -> None:
     assert t.stats.prefix_query_tokens == 20 and t.stats.prefix_hit_tokens == 8
     assert fill(t, "b", 2, P10[8:]) == [8, 9]
     assert table_of(t, "b") == [0, 1, 2]
+
+
+def test_a_hit_on_pages_no_row_held_widens_the_tables() -> None:
+    """Pages a tier restored (committed straight into the prefix index, as service/tiers/cache.py does)
+    never sat in a block table: a first create hitting more of them than a row holds widens the tables
+    rather than failing."""
+    t = make_table(num_pages=48)
+    width = t.blocks.tables.shape[1]
+    prompt = list(range(1, (width + 4) * 4 + 2))  # more full pages than a row holds, and one token
+    pages = t.allocator.allocate(width + 4).tolist()
+    data = token_bytes(prompt[: len(pages) * 4])
+    t.allocator.commit(pages, root_hash(""), data, 8 * 4, at_root=True, origin=RESTORED)
+    t.allocator.release(np.array(pages[::-1], dtype=np.int64))
+    seq = t.create("restored", prompt)
+    assert (seq.cached_tokens, t.block_table(seq)) == (len(pages) * 4, pages)
+    lut = t.lookup_table(np.array([seq.row]))[0]
+    assert lut[: len(pages) + 1].tolist() == [*pages, t.sentinel]
 
 
 def test_a_hit_never_covers_the_last_prompt_token() -> None:

@@ -1,0 +1,113 @@
+"""The blocking client's transport: one kept-alive HTTP/1.1 connection on the standard library's http.client.
+
+Why not httpx here: the vLLM connector makes its calls from threads that share the GIL with the engine's
+forward, so each call's Python time is time the forward or the call waits for. A call through httpx's
+Client costs ~0.48 ms of CPU on the client's side, through http.client ~0.12 ms (a step call against a
+local `kvpool serve`; 0.66 against 0.19 ms with a torch loop in another thread: docs/vllm.md, "The
+client's own time"). The async client keeps httpx.
+
+Failures are raised as httpx's exceptions (ConnectError, ReadTimeout, RemoteProtocolError, ...), the
+types both clients have always raised, so a caller's `except httpx.HTTPError` is unchanged. A
+connection the server closed while idle (uvicorn drops idle ones after a few seconds) is found before
+the next request is written, as urllib3 and httpcore do, and replaced; a request is never sent twice.
+"""
+
+import http.client
+import select
+import socket
+import ssl
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+
+
+@dataclass
+class Answer:
+    """What the clients read of a response (the attributes httpx.Response has under the same names)."""
+
+    status_code: int
+    content: bytes
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+
+class KeptConnection:
+    """Requests one at a time on one connection to `base_url` (http or https, with an optional path
+    prefix), each with `headers`; `timeout` bounds the connect and every read and write, in seconds."""
+
+    def __init__(self, base_url: str, headers: dict[str, str], timeout: float) -> None:
+        url = urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        self.headers = headers
+        self.prefix = url.path.rstrip("/")
+        self._host, self._timeout, self._tls = url.hostname, timeout, url.scheme == "https"
+        self._port = url.port or (443 if self._tls else 80)
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        conn = self._conn
+        if conn is not None and (conn.sock is None or _dropped(conn.sock)):
+            self.close()  # closed by the server while idle (or after a Connection: close answer)
+            conn = None
+        if conn is None:
+            if self._tls:
+                context = ssl.create_default_context()
+                conn = http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout, context=context)
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            try:
+                conn.connect()
+            except TimeoutError as exc:
+                raise httpx.ConnectTimeout(f"connecting to {self._host}:{self._port}: {exc}") from exc
+            except OSError as exc:
+                raise httpx.ConnectError(f"connecting to {self._host}:{self._port}: {exc}") from exc
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conn = conn
+        return conn
+
+    def request(
+        self, method: str, path: str, content: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> Answer:
+        conn = self._connection()
+        try:
+            try:
+                conn.request(method, self.prefix + path, body=content, headers={**self.headers, **(headers or {})})
+            except TimeoutError as exc:
+                raise httpx.WriteTimeout(f"{method} {path}: {exc}") from exc
+            except OSError as exc:
+                raise httpx.WriteError(f"{method} {path}: {exc}") from exc
+            try:
+                response = conn.getresponse()
+                return Answer(response.status, response.read())
+            except TimeoutError as exc:
+                raise httpx.ReadTimeout(f"{method} {path}: no answer in {self._timeout} s") from exc
+            except (http.client.HTTPException, ConnectionResetError) as exc:
+                # RemoteDisconnected, a bad status line, a body cut short: the server broke the exchange.
+                raise httpx.RemoteProtocolError(f"{method} {path}: {exc!r}") from exc
+            except OSError as exc:
+                raise httpx.ReadError(f"{method} {path}: {exc}") from exc
+        except httpx.HTTPError:
+            self.close()  # the connection's state is unknown: the next request opens a new one
+            raise
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _dropped(sock: socket.socket) -> bool:
+    """A kept-alive socket with something to read before a request is sent: the server's EOF (or bytes
+    it had no business sending); either way the connection is not fit for the next request."""
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True

@@ -1,0 +1,113 @@
+"""The blocking client's transport (service/client/http1.py): kept-alive connections, dropped ones, failures."""
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import httpx
+import pytest
+
+from service.client import KVPoolClient
+from service.client.http1 import KeptConnection
+from tests.conftest import SMALL_POOL, Server, free_port
+
+
+def test_a_connection_the_server_dropped_while_idle_is_replaced() -> None:
+    """uvicorn closes an idle keep-alive connection after KVPOOL_KEEP_ALIVE_TIMEOUT_S: the next call opens
+    a new one instead of failing, and the calls before it shared one connection."""
+    server = Server({**SMALL_POOL, "KVPOOL_KEEP_ALIVE_TIMEOUT_S": "1"})
+    try:
+        with KVPoolClient(server.url) as client:
+            client.create_sequence("kept")
+            first = client.http._conn
+            assert first is not None and first.sock is not None
+            local = first.sock.getsockname()
+            client.get_sequence("kept")
+            assert client.http._conn is first and first.sock.getsockname() == local  # kept alive
+            time.sleep(2.5)  # past the server's keep-alive timeout: it closes its end
+            assert client.get_sequence("kept").seq_id == "kept"
+            assert client.http._conn is not first
+            assert client.free("kept") == 0
+    finally:
+        server.stop()
+
+
+class Recorder(BaseHTTPRequestHandler):
+    """A plain HTTP/1.1 server whose behaviour per path the test sets: `/ok` answers, `/slow` answers after
+    a second, `/hangup` reads the request and closes without an answer. Counts the requests it read."""
+
+    protocol_version = "HTTP/1.1"
+    seen: ClassVar[list[str]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.seen.append(f"{self.path} {body.decode()} {self.headers.get('Authorization')}")
+        if self.path.endswith("/hangup"):
+            self.close_connection = True
+            return
+        if self.path.endswith("/slow"):
+            time.sleep(1.0)
+        answer = b'{"ok": true}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def recorder() -> Iterator[tuple[str, list[str]]]:
+    Recorder.seen = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Recorder)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", Recorder.seen
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def call(conn: KeptConnection, path: str) -> Callable[[], object]:
+    return lambda: conn.request("POST", path, b"{}", {"Content-Type": "application/json"})
+
+
+def test_requests_carry_the_prefix_and_headers_and_are_never_sent_twice(recorder: tuple[str, list[str]]) -> None:
+    url, seen = recorder
+    conn = KeptConnection(url + "/base/", {"Authorization": "Bearer k"}, timeout=5)
+    answer = conn.request("POST", "/ok", b'{"a": 1}', {"Content-Type": "application/json"})
+    assert (answer.status_code, answer.content, answer.is_success) == (200, b'{"ok": true}', True)
+    assert seen == ['/base/ok {"a": 1} Bearer k']
+    # The server reads the request and hangs up: an error, the request not retried, the next one fine.
+    with pytest.raises(httpx.RemoteProtocolError, match="/hangup"):
+        call(conn, "/hangup")()
+    assert seen[1:] == ["/base/hangup {} Bearer k"]
+    assert call(conn, "/ok")().status_code == 200  # type: ignore[attr-defined]
+    assert len(seen) == 3
+    conn.close()
+
+
+def test_a_slow_answer_times_out_and_the_next_call_opens_a_new_connection(recorder: tuple[str, list[str]]) -> None:
+    url, seen = recorder
+    conn = KeptConnection(url, {}, timeout=0.3)
+    with pytest.raises(httpx.ReadTimeout):
+        call(conn, "/slow")()
+    assert conn._conn is None  # the late answer must not be read as the next call's
+    time.sleep(1.0)
+    assert call(conn, "/ok")().content == b'{"ok": true}'  # type: ignore[attr-defined]
+    assert [s.split()[0] for s in seen] == ["/slow", "/ok"]
+    conn.close()
+
+
+def test_no_server_is_a_connect_error_and_bad_urls_are_refused() -> None:
+    with socket.socket() as held:  # a port nothing listens on
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+    conn = KeptConnection(f"http://127.0.0.1:{port}", {}, timeout=2)
+    with pytest.raises(httpx.ConnectError, match=str(port)):
+        conn.request("GET", "/healthz")
+    with pytest.raises(ValueError, match="not an http"):
+        KeptConnection("unix:///tmp/kvpool.sock", {}, timeout=1)
