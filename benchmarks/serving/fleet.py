@@ -26,6 +26,10 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "serving-llama"
 BLOCK_SIZE = 32  # vLLM's CPU attention: a multiple of 32
 PAGE_SIZE = 16  # kvpool's page: its default; the indexer's block_size
+# --realtime: the kvpool servers and redis-server run under SCHED_FIFO (`chrt -f 1`, root), ahead of the
+# engines' forward passes, which on this machine take the cores a GPU node leaves to the CPU: a diagnostic
+# of how much of kvpool's time is waiting for a core (docs/fleet.md, "What the load found").
+PRIORITY: list[str] = []
 
 
 def free_port() -> int:
@@ -86,7 +90,7 @@ def kvpool_service(
         # Bound (a wildcard): the indexer connects. Only loopback exists in the benchmark's network namespace.
         # Dynamo's indexer reads 64-bit block hashes only (README: Cache-aware routing).
         env |= {"KVPOOL_KV_EVENTS_ENDPOINT": f"tcp://*:{events_port}", "KVPOOL_KV_EVENTS_HASH_FORMAT": "int"}
-    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [*PRIORITY, sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--model", str(model), "--num-pages", str(num_pages), "--page-size", str(PAGE_SIZE)]
     return Service(name, cmd, run_dir / f"{name}.log", env, f"http://127.0.0.1:{port}/healthz")
 
@@ -115,7 +119,7 @@ def vllm_service(
 
 def redis_service(run_dir: Path, maxmemory: int) -> Service:
     port = free_port()
-    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    cmd = [*PRIORITY, "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     cmd += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"]
     return Service("redis", cmd, run_dir / "redis.log")
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from benchmarks.serving import clients, measure, phases
 from benchmarks.serving.clients import Workload
-from benchmarks.serving.fleet import REPO, Fleet
+from benchmarks.serving.fleet import PRIORITY, REPO, Fleet
 from benchmarks.serving.model import ModelShape, make_model
 from benchmarks.serving.phases import Sizes, Target
 from benchmarks.serving.targets import check_targets
@@ -262,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         "--no-netns", action="store_true", help="run on the host's loopback (Dynamo's indexer left out)"
     )
     parser.add_argument(
+        "--realtime", action="store_true",
+        help="kvpool servers and redis-server under SCHED_FIFO (chrt -f 1; root): a diagnostic, not the benchmark",
+    )  # fmt: skip
+    parser.add_argument(
         "--report-only", action="store_true", help="judge and plot OUT/serving.json again (after a change here)"
     )
     args = parser.parse_args(argv)
@@ -271,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a timeout, CI) unwinds as Ctrl-C does: the fleet's processes are stopped on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     namespaced = False if args.no_netns else in_namespace()
+    if args.realtime:
+        PRIORITY[:] = ["chrt", "-f", "1"]
     shape, sizes, work, rates = profile(args.quick)
     rates = args.rates or rates
     args.out.mkdir(parents=True, exist_ok=True)
@@ -280,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(args.model_dir / ("quick" if args.quick else "full"), shape)
     began = time.monotonic()
     print(f"kvpool in a fleet: model {shape}, {sizes}, {work}, rates {rates}, network namespace: {namespaced}")
+    print(f"  kvpool servers and redis-server under SCHED_FIFO: {args.realtime}")
     session = Session(clients.BenchRunner(run_dir / "vllm-bench.log"), work, run_dir, model)
     chosen = set(args.configs or phases.CONFIGS)
     phase_list: list[tuple[tuple[str, ...], Callable[[Fleet], list[Target]]]] = [
@@ -321,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python -m benchmarks.serving", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": time.monotonic() - began,
         "model": shape.__dict__, "sizes": sizes.__dict__, "workload": work.__dict__, "rates": rates,
-        "configs": phases.CONFIGS, "network_namespace": namespaced, "runs": runs,
+        "configs": phases.CONFIGS, "network_namespace": namespaced, "realtime": args.realtime, "runs": runs,
     }  # fmt: skip
     for run in runs:
         for sample in run["samples"]:
