@@ -8,14 +8,18 @@ The wire protocol is vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py, 
     buffer keeps the newest `buffer_batches` batches within `buffer_bytes` bytes of payload.
 
 What differs, on purpose: the request path never waits. put() is called on the event loop (by the
-listener) and only appends a small tuple to the queue; when the queue is full the item is dropped and
-counted, never the request. The thread turns queued items into events (`make_event`) and sends
-everything waiting as one batch. Sequence numbers count batches from 0 with no gaps, except that
+listener) and only appends a small tuple to the queue (and wakes the thread if it sleeps); when the
+queue is full the item is dropped and counted, never the request. The thread turns queued items into
+events (`make_event`) and sends everything waiting as one batch. Idle, it sleeps until an item or a
+replay request comes (a wake-up pipe and the ROUTER socket, polled together): no periodic wake-ups, which
+on a machine whose cores the engines keep busy each wait for a core (docs/fleet.md).
+Sequence numbers count batches from 0 with no gaps, except that
 the first batch after a drop skips one number: a subscriber that sees the gap knows events were lost
 (a replay cannot return them: they were never published) and should rebuild what it holds.
 """
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,8 +36,8 @@ log = logging.getLogger("kvpool.events")
 
 __all__ = ["END_SEQ", "EventPublisher", "is_bind_endpoint"]
 MAX_BATCH = 1024  # events per batch at most (a burst becomes several batches)
-POLL_S = 0.02  # how long the idle thread waits for an item before it looks at the replay socket again
 STALLED_S = 0.005  # how long it waits while replies are in progress but their readers' queues are full
+ERROR_PAUSE_S = 0.02  # after a batch that failed to publish
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -62,6 +66,9 @@ class EventPublisher:
         self.dropped = 0  # events dropped because the queue was full (written by put() only)
         self._dropped_seen = 0
         self._next_seq = 0
+        self._wake_r, self._wake_w = os.pipe()  # a byte written by put() or close() while the thread sleeps
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: ReplayServer | None = None
@@ -82,6 +89,7 @@ class EventPublisher:
         self.replay_endpoint = self._replay.socket.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else ""
         log.info("KV events on %s (replay: %s), topic %r", self.endpoint, self.replay_endpoint or "none", topic)
         self._running = True
+        self._sleeping = False
         self._thread = threading.Thread(target=self._run, name="kvpool-kv-events", daemon=True)
         self._thread.start()
 
@@ -91,6 +99,15 @@ class EventPublisher:
             self._queue.put_nowait(item)
         except queue.Full:
             self.dropped += 1
+            return
+        if self._sleeping:  # (read after the put: a thread about to sleep sees the item, or gets the wake-up)
+            self._wake_up()
+
+    def _wake_up(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
 
     def replay_outcomes(self) -> dict[str, int]:
         """How replay requests ended so far ({} without a replay socket); read from any thread."""
@@ -99,6 +116,7 @@ class EventPublisher:
     def close(self, timeout: float = 1.0) -> None:
         """Publish what is queued (for up to `timeout` seconds), then stop the thread and close."""
         self._running = False
+        self._wake_up()
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("KV events: the publisher thread did not stop in %.1f s", timeout)
@@ -110,27 +128,34 @@ class EventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     # -- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay.socket, zmq.POLLIN)
         deadline = None
-        wait = POLL_S
         while True:
             if not self._running:
                 deadline = deadline or time.monotonic() + 1.0
                 if self._queue.empty() or time.monotonic() > deadline:
                     return
+            sent = stalled = False
             if self._replay is not None:
                 try:
                     sent = self._replay.turn()
-                    wait = 0.0 if sent else STALLED_S if self._replay.replies else POLL_S
+                    stalled = bool(self._replay.replies)
                 except Exception:  # a bad request must not stop publishing
                     log.exception("KV events: serving replay failed")
-                    wait = POLL_S
             try:
-                items = [self._queue.get(timeout=wait) if wait else self._queue.get_nowait()]
+                items = [self._queue.get_nowait()]
             except queue.Empty:
+                if not sent:
+                    self._sleep(poller, STALLED_S if stalled else None)
                 continue
             while len(items) < MAX_BATCH:
                 try:
@@ -141,7 +166,20 @@ class EventPublisher:
                 self._publish(encoder, items)
             except Exception:
                 log.exception("KV events: publishing a batch failed")
-                time.sleep(POLL_S)
+                time.sleep(ERROR_PAUSE_S)
+
+    def _sleep(self, poller: zmq.Poller, timeout_s: float | None) -> None:
+        """Until put() or close() writes the wake-up pipe, a replay request arrives, or `timeout_s` passes."""
+        self._sleeping = True
+        try:
+            if self._queue.empty() and self._running:
+                poller.poll(None if timeout_s is None else max(1, round(timeout_s * 1000)))
+        finally:
+            self._sleeping = False
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
 
     def _publish(self, encoder: msgspec.msgpack.Encoder, items: list[Any]) -> None:
         dropped = self.dropped

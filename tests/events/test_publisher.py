@@ -101,3 +101,45 @@ def test_a_taken_port_stops_the_server_at_start(start_server: Any) -> None:
     finally:
         taken.close(linger=0)
         ctx.term()
+
+
+def wakeups(thread: threading.Thread) -> int:
+    """How often the kernel has switched `thread` out and back in (voluntary: it slept)."""
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("voluntary_ctxt_switches")))
+
+
+@pytest.mark.parametrize("with_replay", [False, True], ids=["publish-only", "with-replay"])
+def test_an_idle_publisher_sleeps_until_an_item_or_a_replay_request(tmp_path: Path, with_replay: bool) -> None:
+    """No periodic wake-ups while idle (each one waits for a core on a loaded node), and an item or a replay
+    request put while it sleeps goes out at once."""
+    endpoint, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay" if with_replay else ""
+    pub = EventPublisher(lambda item: BlockRemoved(block_hashes=[item], medium="CPU"), endpoint, replay)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        time.sleep(0.3)
+        before = wakeups(pub._thread)
+        time.sleep(1.0)
+        assert wakeups(pub._thread) - before <= 2  # (it polled every 20 ms before: ~50)
+        for item in (7, 8):
+            start = time.monotonic()
+            pub.put(item)
+            assert sub.poll(2000), "the item was not published"
+            decoded = msgspec.msgpack.Decoder(KVEventBatch).decode(sub.recv_multipart()[2])
+            assert decoded.events[0].block_hashes == [item] and time.monotonic() - start < 0.5
+            time.sleep(0.2)  # asleep again before the next one
+        if with_replay:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(replay)
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])  # replay from batch 0, while the thread sleeps
+            frames = [dealer.recv_multipart() for _ in range(3)]  # (each recv waits for its frame)
+            assert [f[2] for f in frames] == [(0).to_bytes(8, "big"), (1).to_bytes(8, "big"), END_SEQ]
+            dealer.close(linger=0)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        pub.close()
+    assert not pub._thread.is_alive()
