@@ -16,6 +16,7 @@ import http.client
 import select
 import socket
 import ssl
+import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -40,7 +41,9 @@ class Answer:
 
 class KeptConnection:
     """Requests one at a time on one connection to `base_url` (http or https, with an optional path
-    prefix), each with `headers`; `timeout` bounds the connect and every read and write, in seconds."""
+    prefix), each with `headers`; `timeout` bounds the connect and every read and write, in seconds.
+    Threads sharing it take turns (a lock), as a client shared by threads expects; a thread that wants
+    its calls to run beside another's uses a client of its own."""
 
     def __init__(self, base_url: str, headers: dict[str, str], timeout: float) -> None:
         url = urlsplit(base_url)
@@ -51,6 +54,7 @@ class KeptConnection:
         self._host, self._timeout, self._tls = url.hostname, timeout, url.scheme == "https"
         self._port = url.port or (443 if self._tls else 80)
         self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()
 
     def _connection(self) -> http.client.HTTPConnection:
         conn = self._conn
@@ -76,14 +80,18 @@ class KeptConnection:
     def request(
         self, method: str, path: str, content: bytes | None = None, headers: dict[str, str] | None = None
     ) -> Answer:
+        with self._lock:
+            return self._exchange(method, path, content, headers)
+
+    def _exchange(self, method: str, path: str, content: bytes | None, headers: dict[str, str] | None) -> Answer:
         conn = self._connection()
         try:
             try:
                 conn.request(method, self.prefix + path, body=content, headers={**self.headers, **(headers or {})})
             except TimeoutError as exc:
                 raise httpx.WriteTimeout(f"{method} {path}: {exc}") from exc
-            except OSError as exc:
-                raise httpx.WriteError(f"{method} {path}: {exc}") from exc
+            except (OSError, http.client.HTTPException) as exc:
+                raise httpx.WriteError(f"{method} {path}: {exc!r}") from exc
             try:
                 response = conn.getresponse()
                 return Answer(response.status, response.read())
@@ -94,14 +102,14 @@ class KeptConnection:
                 raise httpx.RemoteProtocolError(f"{method} {path}: {exc!r}") from exc
             except OSError as exc:
                 raise httpx.ReadError(f"{method} {path}: {exc}") from exc
-        except httpx.HTTPError:
+        except BaseException:  # (an error, or an interrupt mid-exchange)
             self.close()  # the connection's state is unknown: the next request opens a new one
             raise
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 def _dropped(sock: socket.socket) -> bool:

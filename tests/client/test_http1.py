@@ -36,8 +36,9 @@ def test_a_connection_the_server_dropped_while_idle_is_replaced() -> None:
 
 
 class Recorder(BaseHTTPRequestHandler):
-    """A plain HTTP/1.1 server whose behaviour per path the test sets: `/ok` answers, `/slow` answers after
-    a second, `/hangup` reads the request and closes without an answer. Counts the requests it read."""
+    """A plain HTTP/1.1 server whose behaviour per path the test sets: `/ok` answers, `/echo` answers the
+    body it read, `/slow` answers after a second, `/hangup` reads the request and closes without an answer.
+    Records the requests it read."""
 
     protocol_version = "HTTP/1.1"
     seen: ClassVar[list[str]] = []
@@ -50,7 +51,7 @@ class Recorder(BaseHTTPRequestHandler):
             return
         if self.path.endswith("/slow"):
             time.sleep(1.0)
-        answer = b'{"ok": true}'
+        answer = body if self.path.endswith("/echo") else b'{"ok": true}'
         self.send_response(200)
         self.send_header("Content-Length", str(len(answer)))
         self.end_headers()
@@ -111,3 +112,25 @@ def test_no_server_is_a_connect_error_and_bad_urls_are_refused() -> None:
         conn.request("GET", "/healthz")
     with pytest.raises(ValueError, match="not an http"):
         KeptConnection("unix:///tmp/kvpool.sock", {}, timeout=1)
+
+
+def test_threads_sharing_a_connection_take_turns(recorder: tuple[str, list[str]]) -> None:
+    """A client shared by threads (as httpx's was) gets each answer to its own request, never another's."""
+    url, seen = recorder
+    conn = KeptConnection(url, {}, timeout=5)
+    wrong: list[tuple[bytes, bytes]] = []
+
+    def caller(name: str) -> None:
+        for i in range(40):
+            body = f"{name}-{i}".encode() * 50
+            got = conn.request("POST", "/echo", body).content
+            if got != body:
+                wrong.append((body[:10], got[:10]))
+
+    threads = [threading.Thread(target=caller, args=(f"t{k}",)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    conn.close()
+    assert wrong == [] and len(seen) == 160
