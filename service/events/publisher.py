@@ -37,7 +37,7 @@ log = logging.getLogger("kvpool.events")
 __all__ = ["END_SEQ", "EventPublisher", "is_bind_endpoint"]
 MAX_BATCH = 1024  # events per batch at most (a burst becomes several batches)
 STALLED_S = 0.005  # how long it waits while replies are in progress but their readers' queues are full
-ERROR_PAUSE_S = 0.02  # after a batch that failed to publish
+ERROR_PAUSE_S = 0.02  # after a batch that failed to publish, or a replay turn that failed
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -151,6 +151,7 @@ class EventPublisher:
                     stalled = bool(self._replay.replies)
                 except Exception:  # a bad request must not stop publishing
                     log.exception("KV events: serving replay failed")
+                    time.sleep(ERROR_PAUSE_S)  # (not at once again: the request may still be waiting)
             try:
                 items = [self._queue.get_nowait()]
             except queue.Empty:
