@@ -51,8 +51,11 @@ class KeptConnection:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
         self.headers = headers
         self.prefix = url.path.rstrip("/")
-        self._host, self._timeout, self._tls = url.hostname, timeout, url.scheme == "https"
-        self._port = url.port or (443 if self._tls else 80)
+        self._host, self._timeout = url.hostname, timeout
+        tls = url.scheme == "https"
+        self._port = url.port or (443 if tls else 80)
+        # (made once: loading the CA certificates costs milliseconds, a reconnect should not pay it again)
+        self._context = ssl.create_default_context() if tls else None
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
 
@@ -62,9 +65,8 @@ class KeptConnection:
             self.close()  # closed by the server while idle (or after a Connection: close answer)
             conn = None
         if conn is None:
-            if self._tls:
-                context = ssl.create_default_context()
-                conn = http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout, context=context)
+            if self._context is not None:
+                conn = http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout, context=self._context)
             else:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
             try:

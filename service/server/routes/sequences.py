@@ -35,8 +35,8 @@ CommitQuery = Annotated[bool, Query(description="commit the sequence's full page
 ERRORS = error_responses(401, 404, 409, 413, 422, 429, 507)
 
 
-def sequence_body(pool: PoolState, seq: Sequence) -> dict[str, Any]:
-    """A sequence as SequenceOut describes it."""
+def sequence_body(pool: PoolState, seq: Sequence, instance: bool = False) -> dict[str, Any]:
+    """A sequence as SequenceOut describes it (instance: with the server's instance_id)."""
     body = {
         "seq_id": seq.seq_id,
         "length": pool.sequences.length(seq),
@@ -46,6 +46,8 @@ def sequence_body(pool: PoolState, seq: Sequence) -> dict[str, Any]:
     if seq.ttl_s:  # leased sequences only, so bodies without a lease keep their shape
         body["ttl_s"] = seq.ttl_s
         body["expires_in_s"] = pool.sequences.expires_in(seq, pool.sequences.clock())
+    if instance:
+        body["instance_id"] = pool.instance_id
     return body
 
 
@@ -57,8 +59,7 @@ async def create_sequence(
     body = await read_json(request, CreateSequence)
     ttl_s = pool.settings.default_ttl_s if body.ttl_s is None else body.ttl_s
     seq = await pool.create_sequence(body.seq_id, body.token_ids, tenant, ttl_s, body.cache_salt or "")
-    answer = sequence_body(pool, seq)
-    return json_response({**answer, "instance_id": pool.instance_id} if instance else answer, 201)
+    return json_response(sequence_body(pool, seq, instance), 201)
 
 
 @routes.get("/v1/sequences/{seq_id}", response_model=SequenceOut, responses=ERRORS)
@@ -66,8 +67,7 @@ async def get_sequence(
     seq_id: SeqIdPath, pool: StateDep, tenant: TenantDep, instance: InstanceQuery = False
 ) -> Response:
     """Length and block table of a sequence."""
-    body = sequence_body(pool, pool.sequences.get(seq_id, tenant))
-    return json_response({**body, "instance_id": pool.instance_id} if instance else body)
+    return json_response(sequence_body(pool, pool.sequences.get(seq_id, tenant), instance))
 
 
 @routes.post("/v1/sequences/{seq_id}/append", body=AppendRequest, response_model=AppendOut, responses=ERRORS)
@@ -87,9 +87,7 @@ async def append_tokens(
             pool.engine.write(kv[0], kv[1], torch.from_numpy(ext.slots))
 
     # The answer describes the sequence as this append left it, whatever requests run while the device works.
-    answer = {**sequence_body(pool, seq), "slots": ext.slots.tolist()}
-    if instance:
-        answer["instance_id"] = pool.instance_id
+    answer = {**sequence_body(pool, seq, instance), "slots": ext.slots.tolist()}
     if ext.copies or kv is not None:  # submitted with no await since the bookkeeping: device work keeps its order
         nbytes = len(ext.copies) * s.page_nbytes + kv_nbytes(kv)
         await pool.engine.submit(write_appended, pool.engine.fits_inline(nbytes=nbytes))
