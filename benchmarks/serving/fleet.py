@@ -135,7 +135,7 @@ def router_service(run_dir: Path, name: str, backends: list[str], policy: str, *
     cmd = [sys.executable, "-m", "benchmarks.serving.router", "--port", str(port), "--policy", policy]
     cmd += ["--backends", ",".join(backends), "--log", str(run_dir / f"{name}.requests.jsonl")]
     for key, value in options.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
+        cmd += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])  # True: a flag
     return Service(name, cmd, run_dir / f"{name}.log", {}, f"http://127.0.0.1:{port}/router/health")
 
 

@@ -106,7 +106,9 @@ def two_nodes(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes, dynamo: bo
     e1, e2 = start_engines(fleet, run_dir, model, sizes, [("vllm-e1", k1), ("vllm-e2", k2)])
     routers = [
         router_service(run_dir, "router-e", [e1, e2], "rr"),
-        router_service(run_dir, "router-f-match", [e1, e2], "match", kvpools=f"{k1},{k2}", model=model),
+        router_service(
+            run_dir, "router-f-match", [e1, e2], "match", kvpools=f"{k1},{k2}", model=model, shared_tier=True
+        ),
     ]
     if dynamo:
         indexer = indexer_service(run_dir)
@@ -117,7 +119,11 @@ def two_nodes(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes, dynamo: bo
                 "block_size": PAGE_SIZE,
             }  # fmt: skip
             httpx.post(f"{url_of(indexer)}/register", json=register, timeout=30).raise_for_status()
-        routers.append(router_service(run_dir, "router-f", [e1, e2], "dynamo", indexer=url_of(indexer), model=model))
+        routers.append(
+            router_service(
+                run_dir, "router-f", [e1, e2], "dynamo", indexer=url_of(indexer), model=model, shared_tier=True
+            )
+        )
     start_routers(fleet, routers)
     nodes = {"engines": [e1, e2], "kvpools": [k1, k2], "redis": redis_url, "kvpool_pids": [pid_of(p) for p in pools]}
     targets = [Target("e", routers[0], **nodes)]  # type: ignore[arg-type]

@@ -9,11 +9,15 @@ Policies (every configuration goes through one, one backend or two, so that each
   (`--kvpools`, in the order of `--backends`) and send the request to the node that holds the most.
 - `dynamo`: ask Dynamo's standalone KV indexer (`--indexer`; `POST /query`, the nodes registered as
   instances 0, 1, ... in the order of `--backends`) which node holds the longest prefix.
-Both prefix policies weigh the match against the load, as Dynamo's KV router does: a node's cost is the
-prompt tokens it would compute (the prompt less what it holds) plus the tokens it is computing for the
-requests it has in flight (each counted the same way when it was sent), and the cheapest node gets the
-request (ties: round robin). By the match alone, a prefix every prompt shares (a system prompt) would
-draw every request to the first node that held it. The prompt's token ids come from the model's own
+Both prefix policies weigh the match against the load, as Dynamo's KV router does (its cost: the blocks a
+node would prefill plus the blocks of the requests it is serving): a node's cost is the prompt tokens it
+would compute plus the prompt tokens of the requests it has in flight (the KV they hold while they
+decode), and the cheapest node gets the request (ties: round robin). By the match alone, a prefix every
+prompt shares (a system prompt) would draw every request to the first node that held it. With
+`--shared-tier` (the nodes share a remote tier, into which each kvpool writes every page it computed), a
+node also holds what any node holds, behind a restore: those tokens are not computed but restored, each
+counted as `--restore-weight` of a computed one. Without it, the node a conversation last ran on would
+hold its history alone and draw every later round of it, however busy. The prompt's token ids come from the model's own
 tokenizer in this process (`--model`: its chat template rendered as vLLM renders it), as Dynamo's
 frontend tokenizes before its KV router: a round trip to a busy engine's `POST /tokenize` cost a routed
 request tens of milliseconds. The first requests are also tokenized by the first backend's `POST
@@ -43,6 +47,20 @@ from benchmarks.serving.fleet import MODEL_NAME
 LOGGED_PATHS = {"v1/completions", "v1/chat/completions"}
 JSON_BODY = {"content-type": "application/json"}
 CHECKED = 8  # requests tokenized both here and by the backend, which must agree
+# A token restored from the shared tier against one computed: on the fleet's machine a create restoring a
+# ~1,000-token history from Redis took 20-35 ms under load, a prefill 0.3-0.5 ms per token (docs/fleet.md).
+RESTORE_WEIGHT = 0.1
+
+
+def costs(prompt_len: int, held: list[int], active: list[int], shared_tier: bool, restore_weight: float) -> list[float]:
+    """Each node's cost for a prompt of `prompt_len` tokens: the tokens it would compute (the prompt less what
+    it holds, `held`; with a shared tier, less what any node holds, the part beyond its own restored at
+    `restore_weight`) plus `active`, the prompt tokens of the requests it has in flight."""
+    held = [min(h, prompt_len) for h in held]
+    anywhere = max(held, default=0) if shared_tier else 0
+    return [
+        prompt_len - max(h, anywhere) + restore_weight * max(0, anywhere - h) + load for h, load in zip(held, active)
+    ]
 
 
 class Router:
@@ -51,8 +69,10 @@ class Router:
         self.kvpools: list[str] = args.kvpools.split(",") if args.kvpools else []
         self.indexer: str = args.indexer
         self.policy: str = args.policy
+        self.shared_tier: bool = args.shared_tier
+        self.restore_weight: float = args.restore_weight
         self.in_flight = [0] * len(self.backends)
-        self.queued = [0] * len(self.backends)  # prompt tokens to compute, of the requests in flight
+        self.active = [0] * len(self.backends)  # prompt tokens of the requests in flight
         self.turn = itertools.cycle(range(len(self.backends)))
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=512)
@@ -120,7 +140,7 @@ class Router:
         return [int(instances.get(str(i), {}).get("longest_matched", 0)) for i in range(len(self.backends))]
 
     async def choose(self, path: str, body: dict[str, Any]) -> tuple[int, int]:
-        """The backend for a request, and the prompt tokens it will compute there."""
+        """The backend for a request, and the prompt's length in tokens (its load there while in flight)."""
         if self.policy == "rr" or len(self.backends) == 1:
             return next(self.turn), 0
         began = asyncio.get_running_loop().time()
@@ -128,11 +148,10 @@ class Router:
         scores = await self.matched(token_ids)
         self.route_ns += int((asyncio.get_running_loop().time() - began) * 1e9)
         self.chosen += 1
-        work = [len(token_ids) - min(score, len(token_ids)) for score in scores]
-        costs = [w + q for w, q in zip(work, self.queued)]
-        cheapest = [i for i, cost in enumerate(costs) if cost == min(costs)]
+        cost = costs(len(token_ids), scores, self.active, self.shared_tier, self.restore_weight)
+        cheapest = [i for i, c in enumerate(cost) if c == min(cost)]
         index = cheapest[0] if len(cheapest) == 1 else next(i for i in self.turn if i in cheapest)
-        return index, work[index]
+        return index, len(token_ids)
 
     async def proxy(self, request: Request) -> Response:
         path = request.path_params["path"]
@@ -143,9 +162,9 @@ class Router:
             )
             return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
         body = json.loads(raw)
-        index, work = await self.choose(path, body)
+        index, load = await self.choose(path, body)
         self.in_flight[index] += 1
-        self.queued[index] += work
+        self.active[index] += load
         self.routed[index] += 1
         record: dict[str, Any] = {"path": path, "body": body, "backend": index}
         upstream = self.client.build_request("POST", f"{self.backends[index]}/{path}", content=raw, headers=JSON_BODY)
@@ -153,7 +172,7 @@ class Router:
             answer = await self.client.send(upstream, stream=True)
         except httpx.HTTPError as error:
             self.in_flight[index] -= 1
-            self.queued[index] -= work
+            self.active[index] -= load
             self.write(record | {"status": 0, "error": repr(error)})
             return JSONResponse({"error": {"code": "bad_gateway", "message": repr(error)}}, 502)
 
@@ -167,7 +186,7 @@ class Router:
             finally:
                 await answer.aclose()
                 self.in_flight[index] -= 1
-                self.queued[index] -= work
+                self.active[index] -= load
                 self.write(record | {"status": answer.status_code, "error": error})
 
         return StreamingResponse(relay(), answer.status_code, media_type=answer.headers.get("content-type"))
@@ -192,6 +211,8 @@ def main() -> None:
     parser.add_argument("--policy", choices=["rr", "match", "dynamo"], default="rr")
     parser.add_argument("--kvpools", default="")
     parser.add_argument("--indexer", default="")
+    parser.add_argument("--shared-tier", action="store_true", help="the nodes' kvpools share a remote tier")
+    parser.add_argument("--restore-weight", type=float, default=RESTORE_WEIGHT)
     parser.add_argument("--model", default="", help="the model's directory: its tokenizer tokenizes here")
     parser.add_argument("--log", required=True)
     args = parser.parse_args()
