@@ -1,10 +1,12 @@
 """The fleet of each phase and the configurations it serves.
 
-Two vLLM engines are alive at a time (each ~1.7 GB here): a phase starts the processes its configurations
-need, runs them alternately, and stops them. The phases: b and d (one kvpool shared by two engines), e and
-f (two nodes, each one kvpool and one engine, sharing a Redis tier; f routed by Dynamo's KV indexer or by
-kvpool's prefix match), then a and c (vLLM alone), last because its first engine is also the reference
-that every run's sampled requests are replayed on.
+A phase starts the processes its configurations need, runs them alternately, and stops them. Two phases:
+e and f (two nodes, each one kvpool and one engine, sharing a Redis tier; f routed by Dynamo's KV indexer
+or by kvpool's prefix match), then a, b, c and d together on four engines (each ~1.7 GB here): a and c
+vLLM alone, b and d one kvpool shared by two engines. The pairs the targets compare, b with a and d with c,
+so take turns within minutes of each other, on the same machine's speed (it swings by 2x within a run
+here); an idle engine takes no CPU. Last, because a's engine is also the reference that every run's
+sampled requests are replayed on.
 """
 
 from dataclasses import dataclass, field
@@ -81,16 +83,23 @@ def start_routers(fleet: Fleet, routers: list[Service]) -> None:
     fleet.start(routers, timeout_s=60)
 
 
-def shared_pool(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes) -> list[Target]:
+def one_host(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes) -> list[Target]:
+    """a, b, c and d: two engines alone, and two sharing one kvpool (b: the first of them alone)."""
     pool = kvpool_service(run_dir, "kvpool-d", model, sizes.kvpool_pages)
     fleet.start([pool], timeout_s=120)
     k = url_of(pool)
+    a1, a2 = start_engines(fleet, run_dir, model, sizes, [("vllm-a1", ""), ("vllm-a2", "")])
     b1, b2 = start_engines(fleet, run_dir, model, sizes, [("vllm-b1", k), ("vllm-b2", k)])
+    ra = router_service(run_dir, "router-a", [a1], "rr")
     rb = router_service(run_dir, "router-b", [b1], "rr")
+    rc = router_service(run_dir, "router-c", [a1, a2], "rr")
     rd = router_service(run_dir, "router-d", [b1, b2], "rr")
-    start_routers(fleet, [rb, rd])
+    start_routers(fleet, [ra, rb, rc, rd])
     pids = [pid_of(pool)]
-    return [Target("b", rb, [b1], [k], kvpool_pids=pids), Target("d", rd, [b1, b2], [k], kvpool_pids=pids)]
+    return [
+        Target("a", ra, [a1]), Target("b", rb, [b1], [k], kvpool_pids=pids),
+        Target("c", rc, [a1, a2]), Target("d", rd, [b1, b2], [k], kvpool_pids=pids),
+    ]  # fmt: skip
 
 
 def two_nodes(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes, dynamo: bool) -> list[Target]:
@@ -131,11 +140,3 @@ def two_nodes(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes, dynamo: bo
         targets.append(Target("f", routers[2], **nodes))  # type: ignore[arg-type]
     targets.append(Target("f-match", routers[1], **nodes))  # type: ignore[arg-type]
     return targets
-
-
-def alone(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes) -> list[Target]:
-    a1, a2 = start_engines(fleet, run_dir, model, sizes, [("vllm-a1", ""), ("vllm-a2", "")])
-    ra = router_service(run_dir, "router-a", [a1], "rr")
-    rc = router_service(run_dir, "router-c", [a1, a2], "rr")
-    start_routers(fleet, [ra, rc])
-    return [Target("a", ra, [a1]), Target("c", rc, [a1, a2])]

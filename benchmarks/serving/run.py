@@ -9,8 +9,9 @@ time on that configuration and on vLLM alone (greedy: the tokens must be identic
 kvpool page was released, and writes DIR/serving.json and two plots. The configurations (phases.py):
 a) one vLLM alone, b) one vLLM + kvpool, c) two vLLM round robin, d) two vLLM sharing one kvpool,
 e) two nodes (kvpool + vLLM each) sharing Redis, f) e routed by prefix through Dynamo's KV indexer
-(f-match: by kvpool's POST /v1/prefix/match). Within a phase the configurations alternate at every rate,
-each run starting from emptied caches (vLLM's, kvpool's, Redis).
+(f-match: by kvpool's POST /v1/prefix/match). Two phases, e and f, then a to d on four engines at once;
+within a phase the configurations alternate at every rate, each run starting from emptied caches (vLLM's,
+kvpool's, Redis).
 
 It runs in a network namespace of its own (`unshare -n`, loopback only) where it can: Dynamo's indexer
 binds every interface, and no port of the fleet can collide with another process's. Without one, it runs
@@ -255,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=float, nargs="*", help="request rates for vllm bench serve (req/s)")
     parser.add_argument(
         "--configs", nargs="*", choices=list(phases.CONFIGS), metavar="CONFIG",
-        help=f"only these configurations ({', '.join(phases.CONFIGS)}; default all; a and c's engines always "
-        "start: every replay is compared with vLLM alone)",
+        help=f"only these configurations ({', '.join(phases.CONFIGS)}; default all; a to d's engines always "
+        "start: every replay is compared with vLLM alone, on a's)",
     )  # fmt: skip
     parser.add_argument(
         "--no-netns", action="store_true", help="run on the host's loopback (Dynamo's indexer left out)"
@@ -290,9 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     session = Session(clients.BenchRunner(run_dir / "vllm-bench.log"), work, run_dir, model)
     chosen = set(args.configs or phases.CONFIGS)
     phase_list: list[tuple[tuple[str, ...], Callable[[Fleet], list[Target]]]] = [
-        (("b", "d"), lambda fleet: phases.shared_pool(fleet, run_dir, model, sizes)),
         (("e", "f", "f-match"), lambda fleet: phases.two_nodes(fleet, run_dir, model, sizes, dynamo=namespaced)),
-        (("a", "c"), lambda fleet: phases.alone(fleet, run_dir, model, sizes)),  # always: the reference engine
+        (("a", "b", "c", "d"), lambda fleet: phases.one_host(fleet, run_dir, model, sizes)),  # always: a's engine
     ]
     builders = [build for names, build in phase_list[:-1] if chosen.intersection(names)] + [phase_list[-1][1]]
     # --quick (no timing judged) starts each phase's processes while the phase before runs: the engines'
