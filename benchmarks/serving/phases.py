@@ -84,7 +84,7 @@ def start_routers(fleet: Fleet, routers: list[Service]) -> None:
 
 
 def one_host(fleet: Fleet, run_dir: Path, model: Path, sizes: Sizes) -> list[Target]:
-    """a, b, c and d: two engines alone, and two sharing one kvpool (b: the first of them alone)."""
+    """a, b, c and d: two engines without kvpool (a: the first), and two sharing one kvpool (b: the first)."""
     pool = kvpool_service(run_dir, "kvpool-d", model, sizes.kvpool_pages)
     fleet.start([pool], timeout_s=120)
     k = url_of(pool)

@@ -17,12 +17,13 @@ prompt shares (a system prompt) would draw every request to the first node that 
 `--shared-tier` (the nodes share a remote tier, into which each kvpool writes every page it computed), a
 node also holds what any node holds, behind a restore: those tokens are not computed but restored, each
 counted as `--restore-weight` of a computed one. Without it, the node a conversation last ran on would
-hold its history alone and draw every later round of it, however busy. The prompt's token ids come from the model's own
-tokenizer in this process (`--model`: its chat template rendered as vLLM renders it), as Dynamo's
-frontend tokenizes before its KV router: a round trip to a busy engine's `POST /tokenize` cost a routed
-request tens of milliseconds. The first requests are also tokenized by the first backend's `POST
-/tokenize` (vLLM renders and tokenizes exactly as it will serve), beside the request; if the two ever
-differ, or without `--model`, the router asks the backend for every request after.
+hold its history alone and draw every later round of it, however busy.
+
+The prompt's token ids come from the model's own tokenizer in this process (`--model`: its chat template
+rendered as vLLM renders it), as Dynamo's frontend tokenizes before its KV router: a round trip to a busy
+engine's `POST /tokenize` cost a routed request tens of milliseconds. The first requests are also tokenized
+by the first backend's `POST /tokenize` (vLLM renders and tokenizes exactly as it will serve), beside the
+request; if the two ever differ, or without `--model`, the router asks the backend for every request after.
 
 Every proxied completion is logged (one JSON line: path, body, backend, status, error), which is
 how the benchmark counts failed requests and samples requests to replay.
