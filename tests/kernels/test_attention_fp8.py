@@ -8,6 +8,7 @@ from kernels.attention_fp8 import paged_attention_fp8
 from kernels.decode import Launch, decode_launch
 from kernels.reference import paged_attention_ref, store_kv_ref
 from kernels.reference_fp8 import paged_attention_fp8_ref, store_kv_fp8_ref
+from tests.kernels.paged_data import DEVICE, on_device
 
 # Measured on random normal K/V and 2 × normal q (head_dim 64, 4 sequences of 5..100 tokens,
 # g = 64 and 16, 5 seeds): ||out_fp8 - out_fp32|| / ||out_fp32|| = 0.032 .. 0.047.
@@ -62,10 +63,12 @@ def test_kernel_matches_reference(group: int, lens: list[int], q_lens: list[int]
     blocks, scales, _, lut = make_pool(lens, 32, group, num_pages=12, page_size=4, seed=group + len(kwargs))
     cache_lengths, qsl = batch(lens, q_lens)
     q = torch.randn(sum(q_lens), 4, 32)
-    out = torch.full_like(q, float("nan"))
-    paged_attention_fp8(q, blocks, scales, 1, lut, cache_lengths, qsl, out=out, block_n=16, **kwargs)  # type: ignore[arg-type]
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    paged_attention_fp8(
+        *on_device(q, blocks, scales), 1, *on_device(lut, cache_lengths, qsl), out=out, block_n=16, **kwargs
+    )  # type: ignore[arg-type]
     expected = paged_attention_fp8_ref(q, blocks, scales, 1, lut, cache_lengths, qsl, **kwargs)
-    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-6, rtol=2e-5)
     assert blocks[12].view(torch.uint8).eq(0).all() and scales[12].eq(0).all()  # the null page
 
 
@@ -79,26 +82,27 @@ def test_decode_on_fp8_pages_runs_the_split_kv_decode_kernel(group: int, dtype: 
     blocks, scales, _, lut = make_pool(lens, 32, group, num_pages=24, page_size=4, seed=splits + group)
     cache_lengths, qsl = batch(lens, [1] * len(lens))
     q = torch.randn(len(lens), 4, 32).to(dtype)
-    out = torch.full_like(q, float("nan"))
-    decode_launch(q, blocks, scales, 1, lut, cache_lengths, out, None, Launch(splits, block_n=16), softcap=5.0)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    d_q, d_blocks, d_scales, d_lut, d_lengths, d_qsl = on_device(q, blocks, scales, lut, cache_lengths, qsl)
+    decode_launch(d_q, d_blocks, d_scales, 1, d_lut, d_lengths, out, None, Launch(splits, block_n=16), softcap=5.0)
     expected = paged_attention_fp8_ref(q, blocks, scales, 1, lut, cache_lengths, qsl, softcap=5.0)
     tol = {"atol": 2e-6, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
-    torch.testing.assert_close(out, expected, **tol)
-    via_wrapper = paged_attention_fp8(q, blocks, scales, 1, lut, cache_lengths, qsl, max_q_len=1, softcap=5.0)
-    old_kernel = paged_attention_fp8(
-        q, blocks, scales, 1, lut, cache_lengths, qsl, max_q_len=1, decode_block_n=None, softcap=5.0
-    )
+    torch.testing.assert_close(out.cpu(), expected, **tol)
+    tables = (d_lut, d_lengths, d_qsl)
+    via_wrapper = paged_attention_fp8(d_q, d_blocks, d_scales, 1, *tables, max_q_len=1, softcap=5.0)
+    old_kernel = paged_attention_fp8(d_q, d_blocks, d_scales, 1, *tables, max_q_len=1, decode_block_n=None, softcap=5.0)
     torch.testing.assert_close(via_wrapper, old_kernel, **tol)
-    torch.testing.assert_close(via_wrapper, expected, **tol)
+    torch.testing.assert_close(via_wrapper.cpu(), expected, **tol)
 
 
 def test_same_kernel_reads_a_float32_pool() -> None:
     _, _, blocks32, lut = make_pool([7, 10, 3], 32, 32, num_pages=12, page_size=4, seed=5)
     cache_lengths, qsl = batch([7, 10, 3], [2, 1, 3])
     q = torch.randn(6, 4, 32)
-    out = torch.full_like(q, float("nan"))
-    paged_attention_fp8(q, blocks32, None, 0, lut, cache_lengths, qsl, out=out, block_n=16)
-    torch.testing.assert_close(out, paged_attention_ref(q, blocks32, 0, lut, cache_lengths, qsl), atol=2e-6, rtol=2e-5)
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    paged_attention_fp8(*on_device(q, blocks32), None, 0, *on_device(lut, cache_lengths, qsl), out=out, block_n=16)
+    expected = paged_attention_ref(q, blocks32, 0, lut, cache_lengths, qsl)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-6, rtol=2e-5)
 
 
 @pytest.mark.parametrize("group", [64, 16])
@@ -107,11 +111,11 @@ def test_fp8_attention_is_close_to_float32(group: int) -> None:
     blocks, scales, blocks32, lut = make_pool(lens, 64, group, num_pages=40, page_size=8, seed=11, layers=1)
     cache_lengths, qsl = batch(lens, q_lens)
     q = torch.randn(sum(q_lens), 8, 64) * 2
-    out = torch.full_like(q, float("nan"))
-    paged_attention_fp8(q, blocks, scales, 0, lut, cache_lengths, qsl, out=out)
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    paged_attention_fp8(*on_device(q, blocks, scales), 0, *on_device(lut, cache_lengths, qsl), out=out)
     exact = paged_attention_ref(q, blocks32, 0, lut, cache_lengths, qsl)
     assert isinstance(exact, torch.Tensor)
-    rel = float((out - exact).norm() / exact.norm())
+    rel = float((out.cpu() - exact).norm() / exact.norm())
     assert 0.005 < rel < FP8_REL_ERROR_BOUND, rel  # FP8 does lose precision: the kernel did not read float32
 
 

@@ -8,6 +8,7 @@ import torch
 
 from kernels.mla import mla_attention, store_latent
 from kernels.reference_mla import mla_attention_ref, store_latent_ref
+from tests.kernels.paged_data import DEVICE, on_device
 
 RANK, ROPE, N, P, L = 64, 16, 12, 4, 2
 D = RANK + ROPE
@@ -67,14 +68,14 @@ def test_store_latent_matches_reference() -> None:
     _, _, _, slots, latent = make_pool(2)
     slots = torch.cat([slots, torch.tensor([N * P, -1])])  # the null page and a negative slot: skipped
     latent = torch.cat([latent, torch.randn(L, 2, 1, D)], dim=1)
-    blocks = torch.zeros(N + 1, 1, L, P, 1, D)
-    expected = blocks.clone()
-    store_latent(blocks, latent, slots)
+    blocks = torch.zeros(N + 1, 1, L, P, 1, D, device=DEVICE)
+    expected = torch.zeros(N + 1, 1, L, P, 1, D)
+    store_latent(blocks, *on_device(latent, slots))
     store_latent_ref(expected, latent, slots)
-    assert torch.equal(blocks, expected)
-    store_latent(blocks, latent[0] * 3, slots, layer=1)
+    assert torch.equal(blocks.cpu(), expected)
+    store_latent(blocks, *on_device(latent[0] * 3, slots), layer=1)
     store_latent_ref(expected, latent[0] * 3, slots, layer=1)
-    assert torch.equal(blocks, expected)
+    assert torch.equal(blocks.cpu(), expected)
     assert blocks[N].eq(0).all()
 
 
@@ -88,10 +89,11 @@ def test_kernel_matches_reference(q_lens: list[int], kwargs: dict[str, float], n
     blocks, lut, _, _, _ = make_pool(3)
     cache_lengths, qsl = batch(q_lens)
     q = torch.randn(sum(q_lens), num_q_heads, D)
-    out = torch.full((sum(q_lens), num_q_heads, RANK), float("nan"))
-    mla_attention(q, blocks, 1, lut, cache_lengths, qsl, RANK, out=out, block_n=16, **kwargs)  # type: ignore[arg-type]
+    out = torch.full((sum(q_lens), num_q_heads, RANK), float("nan"), device=DEVICE)
+    d_q, d_blocks, d_lut, d_lengths, d_qsl = on_device(q, blocks, lut, cache_lengths, qsl)
+    mla_attention(d_q, d_blocks, 1, d_lut, d_lengths, d_qsl, RANK, out=out, block_n=16, **kwargs)  # type: ignore[arg-type]
     expected = mla_attention_ref(q, blocks, 1, lut, cache_lengths, qsl, RANK, **kwargs)
-    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-6, rtol=2e-5)
 
 
 @pytest.mark.gpu

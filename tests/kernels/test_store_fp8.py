@@ -5,8 +5,17 @@ import torch
 
 from kernels.reference_fp8 import dequantize_fp8, quantize_fp8, store_kv_fp8_ref
 from kernels.store_fp8 import store_kv_fp8
+from tests.kernels.paged_data import on_device
 
 N, L, P, H = 6, 2, 4, 2
+
+
+def store(blocks: torch.Tensor, scales: torch.Tensor, *args: torch.Tensor, **kwargs: int) -> None:
+    """store_kv_fp8 on the test device (the GPU where there is one), into these CPU pools."""
+    d_blocks, d_scales = on_device(blocks, scales)
+    store_kv_fp8(d_blocks, d_scales, *on_device(*args), **kwargs)
+    blocks.copy_(d_blocks.cpu())
+    scales.copy_(d_scales.cpu())
 
 
 def pools(head_dim: int, group: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +50,7 @@ def test_store_rounds_to_nearest_even_like_torch() -> None:
     k = torch.zeros(1, 16)
     k[0, : len(ROUNDING)] = torch.tensor([x for x, _ in ROUNDING])
     k = k.view(1, 1, 16).expand(1, H, 16).contiguous()
-    store_kv_fp8(blocks, scales, k, k.clone(), torch.tensor([5]), layer=0)
+    store(blocks, scales, k, k.clone(), torch.tensor([5]), layer=0)
     stored = blocks[1, 0, 0, 1, 0, : len(ROUNDING)].float().tolist()
     assert stored == [y for _, y in ROUNDING]
     assert scales[1, 0, 0, 1, 0].tolist() == [1.0]
@@ -59,14 +68,14 @@ def test_store_matches_reference(head_dim: int, group: int, scale_dtype: torch.d
     k[0, 0, 0, :group] = 0
     v[1, 2, 1] *= 1e-3
     slots = torch.tensor([0, 5, 6, 13, N * P + 1, -1, 22])  # one on the null page, one negative
-    store_kv_fp8(blocks, scales, k, v, slots)
+    store(blocks, scales, k, v, slots)
     store_kv_fp8_ref(ref_blocks, ref_scales, k, v, slots)
     assert torch.equal(blocks.view(torch.uint8), ref_blocks.view(torch.uint8))
     assert torch.equal(scales, ref_scales)
     assert scales[0, 0, 0, 0, 0, 0] == 0 and blocks[0, 0, 0, 0, 0, :group].float().abs().sum() == 0
 
     # One layer into layer 1, over the same slots.
-    store_kv_fp8(blocks, scales, v[0], k[1], slots, layer=1)
+    store(blocks, scales, v[0], k[1], slots, layer=1)
     store_kv_fp8_ref(ref_blocks, ref_scales, v[0], k[1], slots, layer=1)
     assert torch.equal(blocks.view(torch.uint8), ref_blocks.view(torch.uint8))
     assert torch.equal(scales, ref_scales)
