@@ -61,6 +61,7 @@ def _attention_fp8_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b, h, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -98,14 +99,14 @@ def _attention_fp8_kernel(
             if NUM_SCALE_GROUPS == 1:
                 k_scale = tl.load(scales_ptr + s_base, mask=n_valid, other=0.0).to(tl.float32)  # [BLOCK_N]
                 v_scale = tl.load(scales_ptr + stride_s_kv + s_base, mask=n_valid, other=0.0).to(tl.float32)
-                s = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * k_scale[None, :]
+                s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * k_scale[None, :]
             else:
                 s_off = s_base[:, None] + (d // QUANT_GROUP)[None, :]
                 k_scale2 = tl.load(scales_ptr + s_off, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, D]
                 v_scale2 = tl.load(scales_ptr + stride_s_kv + s_off, mask=kv_mask, other=0.0).to(tl.float32)
-                s = tl.dot(q, tl.trans((k.to(tl.float32) * k_scale2).to(DOT_DTYPE)))
+                s = tl.dot(q, tl.trans((k.to(tl.float32) * k_scale2).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         else:
-            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))
+            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         s = s * sm_scale
         if USE_SOFTCAP:
             # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
@@ -121,11 +122,13 @@ def _attention_fp8_kernel(
         acc = acc * alpha[:, None]
         if IS_FP8:
             if NUM_SCALE_GROUPS == 1:
-                acc += tl.dot((p * v_scale[None, :]).to(DOT_DTYPE), v.to(DOT_DTYPE))
+                acc += tl.dot((p * v_scale[None, :]).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
             else:
-                acc += tl.dot(p.to(DOT_DTYPE), (v.to(tl.float32) * v_scale2).to(DOT_DTYPE))
+                acc += tl.dot(
+                    p.to(DOT_DTYPE), (v.to(tl.float32) * v_scale2).to(DOT_DTYPE), input_precision=DOT_PRECISION
+                )
         else:
-            acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+            acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = (q_start + tok)[:, None].to(tl.int64) * stride_o_t + (h * GROUP + head)[:, None] * stride_o_h + d[None, :]
@@ -139,6 +142,12 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     """The dtype of tl.dot operands: q's dtype on the GPU; float32 in the interpreter, whose
     tl.dot on bfloat16 operands returns garbage (triton 3.9 carries bfloat16 as raw uint16)."""
     return tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else DOT_DTYPES[dtype]
+
+
+def dot_precision(dtype: tl.dtype) -> str:
+    """Float32 operands get exact float32 dots, as float32 pools do in kernels.decode and kernels.prefill
+    (kernels.checks.dot_settings): tf32 would cost ~1e-3 relative error. 16-bit operands: tensor cores."""
+    return "ieee" if dtype == tl.float32 else "tf32"
 
 
 def paged_attention_fp8(
@@ -226,6 +235,7 @@ def paged_attention_fp8(
         USE_SOFTCAP=bool(softcap),
         USE_WINDOW=bool(sliding_window),
         DOT_DTYPE=dot_dtype(q.dtype),
+        DOT_PRECISION=dot_precision(dot_dtype(q.dtype)),
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     return out

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_fp8 import DOT_DTYPES
+from kernels.attention_fp8 import DOT_DTYPES, dot_precision
 from kernels.checks import ragged_output
 from kernels.options import AttendOptions, attend_options
 
@@ -102,6 +102,7 @@ def _mla_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b, hb, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -138,7 +139,9 @@ def _mla_kernel(
             lat_ptr + base[:, None] + RANK + r[None, :], mask=n_valid[:, None] & (r < ROPE)[None, :], other=0.0
         )
         lat_c = lat_c.to(DOT_DTYPE)
-        s = tl.dot(q_c, tl.trans(lat_c)) + tl.dot(q_r, tl.trans(lat_r.to(DOT_DTYPE)))
+        s = tl.dot(q_c, tl.trans(lat_c), input_precision=DOT_PRECISION) + tl.dot(
+            q_r, tl.trans(lat_r.to(DOT_DTYPE)), input_precision=DOT_PRECISION
+        )
         s = s * sm_scale
         if USE_SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -150,7 +153,7 @@ def _mla_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), lat_c)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), lat_c, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = (q_start + tok)[:, None].to(tl.int64) * stride_o_t + head[:, None] * stride_o_h + c[None, :]
@@ -186,6 +189,7 @@ def mla_attention(
     latents = blocks[:, 0, layer, :, 0]  # [N+1, P, D]
     rope = head_dim - kv_lora_rank
     interpret = os.environ.get("TRITON_INTERPRET") == "1"  # its tl.dot on bfloat16 is wrong: use float32
+    dot_type = tl.float32 if interpret else DOT_DTYPES[q.dtype]
     grid = (batch, triton.cdiv(num_q_heads, block_h), triton.cdiv(max_q_len, block_m))
     _mla_kernel[grid](
         q,
@@ -215,7 +219,8 @@ def mla_attention(
         BLOCK_N=block_n,
         USE_SOFTCAP=bool(softcap),
         USE_WINDOW=bool(sliding_window),
-        DOT_DTYPE=tl.float32 if interpret else DOT_DTYPES[q.dtype],
+        DOT_DTYPE=dot_type,
+        DOT_PRECISION=dot_precision(dot_type),
         num_warps=8 if kv_lora_rank >= 256 else 4,  # the [M, R] accumulator: 16 x 512 fp32 at R = 512
     )
     return out

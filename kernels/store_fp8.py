@@ -39,11 +39,12 @@ def _round_to_bf16(x):
 def _quantize_store(src, dst, dst_scale, mask, group_mask, SCALE_BF16: tl.constexpr):
     """src/dst: [BLOCK_NG, BLOCK_G] pointers; dst_scale: [BLOCK_NG] pointers."""
     x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.max(tl.abs(x), axis=1) / 448.0  # [BLOCK_NG]
+    # div_rn: divisions rounded as IEEE (and torch) round them; a GPU's `/` is approximate (off by an ulp)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0)  # [BLOCK_NG]
     if SCALE_BF16:
         scale = _round_to_bf16(scale)
     safe = tl.where(scale > 0, scale, 1.0)
-    y = tl.where(scale[:, None] > 0, x / safe[:, None], 0.0)
+    y = tl.where(scale[:, None] > 0, tl.math.div_rn(x, safe[:, None]), 0.0)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     tl.store(dst, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
     tl.store(dst_scale, scale.to(dst_scale.dtype.element_ty), mask=group_mask)

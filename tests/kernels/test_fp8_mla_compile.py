@@ -37,7 +37,7 @@ for is_fp8, groups, block_m, block_h in ((True, 1, 1, 16), (True, 4, 16, 4), (Fa
           dict(q_ptr="*bf16", out_ptr="*bf16", blocks_ptr="*fp8e4nv" if is_fp8 else "*bf16", scales_ptr="*fp32", **idx),
           dict(GROUP=4, BLOCK_H=block_h, BLOCK_M=block_m, HEAD_DIM=128, BLOCK_D=128, QUANT_GROUP=128 // groups,
                NUM_SCALE_GROUPS=groups, PAGE_SIZE=16, BLOCK_N=32, IS_FP8=is_fp8, USE_SOFTCAP=True,
-               USE_WINDOW=True, DOT_DTYPE=tl.bfloat16))
+               USE_WINDOW=True, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32"))
 for bf16_scales in (False, True):
     build(_store_kv_fp8_kernel,
           dict(k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64", blocks_ptr="*fp8e4nv",
@@ -45,7 +45,7 @@ for bf16_scales in (False, True):
           dict(PAGE_SIZE=16, NUM_GROUPS=1, GROUP=128, BLOCK_NG=1, BLOCK_G=128, SCALE_BF16=bf16_scales))
 build(_mla_kernel, dict(q_ptr="*bf16", out_ptr="*bf16", lat_ptr="*bf16", **idx),
       dict(NUM_Q_HEADS=16, BLOCK_H=16, BLOCK_M=1, RANK=512, BLOCK_R=512, ROPE=64, BLOCK_ROPE=64, PAGE_SIZE=32,
-           BLOCK_N=32, USE_SOFTCAP=False, USE_WINDOW=True, DOT_DTYPE=tl.bfloat16), num_warps=8)
+           BLOCK_N=32, USE_SOFTCAP=False, USE_WINDOW=True, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32"), num_warps=8)
 build(_store_latent_kernel, dict(src_ptr="*bf16", slot_ptr="*i64", blocks_ptr="*bf16"),
       dict(PAGE_SIZE=32, HEAD_DIM=576, BLOCK_D=1024))
 for is_fp8, groups, splits, as_f16 in ((True, 1, 1, False), (True, 4, 16, False), (True, 1, 1, True),
