@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import ragged_output
+from kernels.checks import dot_precision, ragged_output
 from kernels.decode import Launch, decode_launch, pick_num_splits
 from kernels.options import AttendOptions, attend_options
 
@@ -144,12 +144,6 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     return tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else DOT_DTYPES[dtype]
 
 
-def dot_precision(dtype: tl.dtype) -> str:
-    """Float32 operands get exact float32 dots, as float32 pools do in kernels.decode and kernels.prefill
-    (kernels.checks.dot_settings): tf32 would cost ~1e-3 relative error. 16-bit operands: tensor cores."""
-    return "ieee" if dtype == tl.float32 else "tf32"
-
-
 def paged_attention_fp8(
     q: torch.Tensor,
     blocks: torch.Tensor,
@@ -204,6 +198,7 @@ def paged_attention_fp8(
     layer_scales = scales[:, :, layer] if scales is not None else layer_blocks
     num_scale_groups = scales.shape[-1] if scales is not None else 1
     grid = (batch, num_kv_heads, triton.cdiv(max_q_len, block_m))
+    dot_type = dot_dtype(q.dtype)
     _attention_fp8_kernel[grid](
         q,
         out,
@@ -234,8 +229,8 @@ def paged_attention_fp8(
         IS_FP8=is_fp8,
         USE_SOFTCAP=bool(softcap),
         USE_WINDOW=bool(sliding_window),
-        DOT_DTYPE=dot_dtype(q.dtype),
-        DOT_PRECISION=dot_precision(dot_dtype(q.dtype)),
+        DOT_DTYPE=dot_type,
+        DOT_PRECISION=dot_precision(dot_type == tl.float32),
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     return out

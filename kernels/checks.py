@@ -69,11 +69,17 @@ def check_devices(blocks: torch.Tensor, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device} but blocks is on {blocks.device}")
 
 
+def dot_precision(float32_operands: bool) -> str:
+    """tl.dot's input_precision: float32 operands get exact float32 dots (tf32 would cost ~1e-3 relative
+    error); 16-bit operands ignore it (tensor cores)."""
+    return "ieee" if float32_operands else "tf32"
+
+
 def dot_settings(dtype: torch.dtype, device: torch.device) -> dict[str, str | bool]:
-    """DOT_PRECISION: float32 pools get exact float32 dots (tf32 would cost ~1e-3 relative error;
-    16-bit operands ignore it). UPCAST_DOT: bf16 dots go through float32 in the interpreter (CPU)."""
+    """DOT_PRECISION for float32 pools' operands (dot_precision). UPCAST_DOT: bf16 dots go through float32
+    in the interpreter (CPU)."""
     return {
-        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "DOT_PRECISION": dot_precision(dtype == torch.float32),
         "UPCAST_DOT": device.type == "cpu" and dtype == torch.bfloat16,
     }
 

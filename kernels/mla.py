@@ -6,15 +6,14 @@ loaded once, as its first R channels (the values, and the no-rope part of the ke
 channels; scores = q[:, :R]·c^T + q[:, R:]·r^T, and the same c tile is the value tile of p·c.
 """
 
-import os
 from typing import Unpack
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_fp8 import DOT_DTYPES, dot_precision
-from kernels.checks import ragged_output
+from kernels.attention_fp8 import DOT_DTYPES, dot_dtype
+from kernels.checks import dot_precision, ragged_output
 from kernels.options import AttendOptions, attend_options
 
 
@@ -188,8 +187,7 @@ def mla_attention(
     block_h = max(block_h, 16 // block_m)  # tl.dot wants M >= 16
     latents = blocks[:, 0, layer, :, 0]  # [N+1, P, D]
     rope = head_dim - kv_lora_rank
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"  # its tl.dot on bfloat16 is wrong: use float32
-    dot_type = tl.float32 if interpret else DOT_DTYPES[q.dtype]
+    dot_type = dot_dtype(q.dtype)  # (float32 in the interpreter, whose tl.dot on bfloat16 is wrong)
     grid = (batch, triton.cdiv(num_q_heads, block_h), triton.cdiv(max_q_len, block_m))
     _mla_kernel[grid](
         q,
@@ -220,7 +218,7 @@ def mla_attention(
         USE_SOFTCAP=bool(softcap),
         USE_WINDOW=bool(sliding_window),
         DOT_DTYPE=dot_type,
-        DOT_PRECISION=dot_precision(dot_type),
+        DOT_PRECISION=dot_precision(dot_type == tl.float32),
         num_warps=8 if kv_lora_rank >= 256 else 4,  # the [M, R] accumulator: 16 x 512 fp32 at R = 512
     )
     return out
