@@ -6,7 +6,7 @@ local_cache_hit, external_kv_transfer: the prompt tokens computed, found in its 
 by the connector), `prefix_cache_queries/hits` (its own cache), `external_prefix_cache_queries/hits` (what
 the connector offered), `num_preemptions`, `request_success` by finish reason. kvpool (per pool):
 `kvpool_prefix_cache_queries/hits`, the pages used and cached, `kvpool_request_duration_seconds` (its HTTP
-time, server side).
+time, server side), `kvpool_tier_lookup/load_seconds` and `bytes_in` (its restores from the remote tier).
 """
 
 import random
@@ -149,6 +149,11 @@ def summarize(counters: dict[str, dict[str, float]]) -> dict[str, Any]:
         # route -> [calls, seconds] (kvpool's own timing, first byte in to last byte out)
         "kvpool_http_by_route": {route: [n, s] for route, (n, s) in sorted(http.items()) if n},
         "kvpool_evictions": k.get("kvpool_evictions_total", 0.0),
+        # Restores from the tiers (the remote tier here), summed over the tiers and pools: the time asking which
+        # pages a tier holds, the time reading them back (K/V bytes into the pool), and those bytes.
+        "kvpool_tier_lookup_s": k.get("kvpool_tier_lookup_seconds_total", 0.0),
+        "kvpool_tier_load_s": k.get("kvpool_tier_load_seconds_total", 0.0),
+        "kvpool_tier_bytes_in": k.get("kvpool_tier_bytes_in_total", 0.0),
         # The connector's own counters (service/integrations/vllm_stats: vllm:kvpool_connector_total).
         "connector": {
             key.split("=", 1)[1].rstrip("}"): value

@@ -105,9 +105,9 @@ def results_table(runs: list[dict[str, Any]]) -> list[str]:
     """Every run as a row of a Markdown table (docs/fleet.md shows the last full run's)."""
     lines = [
         "| config | client | rate | requests | TTFT p50 / p90 / p99 / mean (ms) | ITL p50 (ms) | out tok/s | cached "
-        "(vLLM + kvpool) | kvpool hit rate | connector ms/req | kvpool HTTP ms/req | kvpool CPU ms/req (waiting "
-        "for a core) | routing ms/req |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(vLLM + kvpool) | kvpool hit rate | connector ms/req | kvpool HTTP ms/req | remote tier ms/req (asking + "
+        "reading) | kvpool CPU ms/req (waiting for a core) | routing ms/req |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         s = r["server"]
@@ -118,6 +118,9 @@ def results_table(runs: list[dict[str, Any]]) -> list[str]:
         hits = f"{connector_hit_rate([r]):.2f}" if with_pool else "–"
         conn = f"{r['connector_ms_per_request']:.1f}" if with_pool else "–"
         http = f"{r['kvpool_http_ms_per_request']:.1f}" if with_pool else "–"
+        restores = "–"
+        if r.get("kvpool_tier_lookup_ms_per_request"):  # (runs before session 16 have none; d and b no tier)
+            restores = f"{r['kvpool_tier_lookup_ms_per_request']:.1f} + {r['kvpool_restore_ms_per_request']:.1f}"
         cpu = "–"
         if "kvpool_cpu_ms_per_request" in r:  # (runs before session 13 have none)
             cpu = f"{r['kvpool_cpu_ms_per_request']:.1f} ({r['kvpool_cpu_wait_ms_per_request']:.1f})"
@@ -125,6 +128,6 @@ def results_table(runs: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['config']} | {client} | {rate} | {r['completed']}/{r['requests']} | {ttft} | "
             f"{r['itl_p50_ms']:.1f} | {r['output_tok_s']:.1f} | {s['cached_fraction']:.2f} | {hits} | {conn} | "
-            f"{http} | {cpu} | {f'{route:.1f}' if route else '–'} |"
+            f"{http} | {restores} | {cpu} | {f'{route:.1f}' if route else '–'} |"
         )
     return lines

@@ -103,6 +103,8 @@ TIER_COUNTERS = {
     "errors": "Failed reads or writes of the tier (store down or slow, disk full, bad data).",
     "skipped": "Pages not written to the tier: its queue full, or the tier failing.",
     "rejected": "Entries found but not loaded: token ids, geometry or checksum not matching.",
+    "lookup_seconds": "Seconds restores spent asking the tier which of a prompt's pages it holds (wall time).",
+    "load_seconds": "Seconds restores spent reading pages back from the tier into the device (wall time).",
 }
 TIER_GAUGES = {
     "used_bytes": "Bytes the tier holds (spill tiers).",

@@ -19,6 +19,7 @@ them in cached_tokens.
 """
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -103,7 +104,9 @@ class PrefixCache:
         founds: list[Found] = []
         num = 0
         for tier in self.tiers:
+            began = time.perf_counter()
             founds.append(await tier.lookup(chain, num, len(chain)))
+            tier.stats.lookup_seconds += time.perf_counter() - began
             num += len(founds[-1])
         if not num:
             return
@@ -126,7 +129,9 @@ class PrefixCache:
                 want = min(len(found), len(fresh) - got)
                 if want <= 0:
                     break
+                began = time.perf_counter()
                 loaded = await tier.load_into(found[:want], fresh[got : got + want])
+                tier.stats.load_seconds += time.perf_counter() - began
                 got += loaded
                 if loaded < want:
                     break

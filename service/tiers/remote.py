@@ -9,10 +9,10 @@ Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S), and every read that finds a
        a stale entry is never wrong, only useless, and the TTL lets unused geometries and tenants age out.
 
 Writes go through redis-py (a background batch, pipelined SETs; RedisCluster on a cluster). Reads (a
-lookup waits on them) go in two steps: count() asks which pages the store holds (pipelined EXISTS),
-the restore allocates pool pages for those, and get_into() pipelines GETEX over service.tiers.resp,
-which receives each value's page bytes straight into its pool page (on a CPU pool; a host buffer
-otherwise), its header and checksum into small buffers beside, checked as it arrives; the pages are
+lookup waits on them) go in two steps: count() asks which pages the store holds (pipelined EXISTS, one
+round trip for most prompts), the restore allocates pool pages for those, and get_into() pipelines GETEX
+over service.tiers.resp, which receives each value's page bytes straight into its pool page (on a CPU
+pool; a host buffer otherwise), its header and checksum into small buffers beside, checked as it arrives; the pages are
 committed only once checked. Counting first is what lets the pages be allocated before the values
 come (receiving into them saves a copy of every byte) without allocating,
 and evicting device pages for, what the store does not hold. One connection on redis://, rediss:// (TLS)
@@ -47,7 +47,10 @@ Chain = tuple[list[bytes], list[bytes]]  # page hashes, token bytes
 # less time (kvpool bench tiers, side by side: docs/benchmarks.md, "Figures behind the code").
 READ_BATCH, READ_BATCH_BYTES = 32, 2 << 20
 IN_FLIGHT = 2  # batches sent ahead of the replies being read
-COUNT_BATCH = 32  # keys in the first pipelined EXISTS batch, twice as many in each next (a miss stays cheap)
+# Keys in the first pipelined EXISTS batch, twice as many in each next: the whole rest of a prompt of up to 2,048
+# tokens (page size 16) in one round trip. Each EXISTS costs the store microseconds; each round trip, under load,
+# a wait for a core on both sides (a QA history of ~60 pages took two at 32).
+COUNT_BATCH = 128
 
 
 def read_batch(page_nbytes: int) -> int:

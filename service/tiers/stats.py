@@ -14,6 +14,9 @@ class TierStats:
     errors: int = 0  # failed reads or writes (store down, disk full, bad data on a spill tier)
     skipped: int = 0  # pages not written: queue full, or the tier down
     rejected: int = 0  # entries found but not loaded: tokens, geometry or checksum not matching
+    # Seconds restores spent on the tier (wall time, waits for its threads included; PrefixCache times both):
+    lookup_seconds: float = 0.0  # asking it which of a prompt's pages it holds
+    load_seconds: float = 0.0  # reading those pages back into the device (K/V bytes moved, then checked)
 
 
 class Incident:

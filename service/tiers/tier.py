@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.core.tier_index import chain_hashes
+from service.tiers.stats import TierStats
 
 # Each page a tier found: its hash, and what the tier needs to read it (a slot, the page's token bytes).
 Found = list[tuple[bytes, Any]]
@@ -78,6 +79,7 @@ class TierEvents(Protocol):
 
 class Tier(Protocol):
     name: str
+    stats: TierStats  # its counts (PrefixCache adds the restores' time on it)
 
     async def lookup(self, chain: PromptChain, start: int, limit: int) -> Found: ...
 

@@ -204,6 +204,8 @@ class TierOut(Answer):
     errors: int
     skipped: int = Field(description="pages not written: queue full or tier failing")
     rejected: int = Field(description="entries found but not loaded (tokens, geometry or checksum)")
+    lookup_seconds: float = Field(description="restores' time asking it which pages it holds (wall time)")
+    load_seconds: float = Field(description="restores' time reading pages back from it into the device (wall time)")
 
 
 class PoolOut(Answer):

@@ -47,6 +47,12 @@ def test_a_prefix_written_on_a_is_a_hit_on_b_bit_for_bit(start_server: Any, redi
     assert same_bits(out_a, out_b)
     assert metric(b, "kvpool_tier_hits_total", "remote") == 4
     assert metric(b, "kvpool_tier_bytes_in_total", "remote") == 4 * PAGE_NBYTES
+    # The restores' time on the tier: a asked it (a miss) and read nothing; b asked, then read four pages.
+    assert metric(a, "kvpool_tier_lookup_seconds_total", "remote") > 0
+    assert metric(a, "kvpool_tier_load_seconds_total", "remote") == 0
+    assert metric(b, "kvpool_tier_load_seconds_total", "remote") > 0
+    row = next(t for t in b.get("/v1/pool").json()["tiers"] if t["tier"] == "remote")
+    assert row["lookup_seconds"] > 0 and row["load_seconds"] > 0
     ttl = redis_server.client().ttl(keys_of("", 1)[0])
     assert 3500 < ttl <= 3600
     # A different geometry shares nothing: same tokens, other keys.

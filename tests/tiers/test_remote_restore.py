@@ -13,6 +13,8 @@ from service.config import Settings
 from service.core.hashing import root_hash, token_bytes
 from service.core.tier_index import chain_hashes
 from service.pool import PoolState
+from service.tiers.entries import EntryFormat
+from service.tiers.remote import COUNT_BATCH, RemoteStore
 from tests.tiers.conftest import RedisServer
 from tests.tiers.helpers import kv_of, prompt, remote_tier, spill_tier
 from tests.tiers.test_ordering import FORMATS, SMALL, write_prompt
@@ -89,6 +91,26 @@ def test_the_store_killed_between_count_and_read_commits_nothing(redis_server: R
             state.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("reader", ["resp", "redis-py"])
+def test_count_is_the_leading_run_the_store_holds_across_batches(redis_server: RedisServer, reader: str) -> None:
+    """count() asks in batches (COUNT_BATCH keys, then twice as many, ...) and stops at the first key the store
+    lacks, wherever it falls: in the first batch, at its last key, or in the next one."""
+    store = RemoteStore(redis_server.url, 2.0, 60, EntryFormat("L2.H2.D16.P4.float32"), 1024)
+    if reader == "redis-py":
+        store.reader = None
+    hashes = [i.to_bytes(32, "big") for i in range(1, 2 * COUNT_BATCH + 40)]
+    keys = store._keys(hashes)
+    client = redis_server.client()
+    try:
+        for hole in (0, COUNT_BATCH - 1, COUNT_BATCH, COUNT_BATCH + 17, len(hashes)):
+            client.flushall()
+            client.mset({key: b"x" for i, key in enumerate(keys) if i != hole})
+            assert store.count(hashes) == hole, hole
+        assert store.count([]) == 0
+    finally:
+        store.close()
 
 
 SECRET = "a9c3f1e07b2d4c58a9c3f1e07b2d4c58"
