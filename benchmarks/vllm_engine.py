@@ -5,7 +5,8 @@ its stdin and stdout: the harness of the tests (tests/integrations) and of the v
         "tensor_parallel_size": 1, "pipeline_parallel_size": 1}'
 
 Optional keys: "dtype" (float32), "kv_cache_dtype" (auto), "kv_role" (kv_both), "max_tokens" (8),
-"max_model_len" (1024), "prefix_caching" (false: hits can then only come from kvpool).
+"max_model_len" (1024), "prefix_caching" (false: hits can then only come from kvpool), "max_num_batched_tokens"
+(vLLM's default: the step's token budget; a smaller one prefills prompts in chunks).
 
 Reads one JSON request per line, [{"token_ids": [...], "cache_salt": "..."}, ...], generates them
 (greedy, max_tokens new tokens), lets the connector's saves land (vLLM's steps bring the ranks' reports of
@@ -85,6 +86,7 @@ def build_llm(config: dict[str, Any], connector_options: dict[str, Any]) -> Any:
         kv_cache_memory_bytes=config.get("kv_cache_memory_bytes", 64 << 20),
         kv_transfer_config=transfer,
         **parallel,
+        **({"max_num_batched_tokens": config["max_num_batched_tokens"]} if "max_num_batched_tokens" in config else {}),
     )
 
 

@@ -10,20 +10,22 @@ request, however many ranks load it. The lookup sends one token more than the pr
 never matches a prompt's last token, may match the page holding it; the loads then end inside a vLLM block
 (vLLM allows a partial last block).
 
-Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated for a hit and a save for
-every request whose computed tokens filled more kvpool pages. The scheduler appends those pages itself, all
-of a step's in one call (vllm_saves): to the request's pin, to the sequence of its earlier saves once every
-rank has written those, or else to a sequence created from its token ids (what kvpool holds already is
-matched, not copied), so that every rank writes into the same pages: each rank its own KV heads (and
-layers), vllm_worker. Each rank reports each save written or failed (KVPoolWorkerMeta, summed over the
-ranks by vLLM's KVOutputAggregator). Once every rank has reported a save: when one could not write, the
-scheduler releases its sequence uncommitted (`commit=false`); when all did, it commits the pages (the next
-step's call lists the sequence, and the request's next save appends to it) and frees the sequence when the
-request finishes. A page thus enters the prefix cache only once all of its KV heads and layers are written,
-and its pages are never released while a rank may still be writing them.
-A rank that dies never reports: its saves stay uncommitted, and kvpool frees them when vLLM shuts the
-connector down (or holds them, if the engine dies with them). A request given saves keeps its blocks after
-it finishes until every rank reports its saves done (get_finished, summed the same way by vLLM).
+Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated for a hit and a save for every
+request whose computed tokens filled more kvpool pages, once its prompt is computed: a prompt prefilled in
+chunks (longer than the step's token budget, or sharing it) is saved in one append with its last chunk, not
+one per chunk (each append is a call to kvpool that the step waits for). The scheduler appends those pages
+itself, all of a step's in one call (vllm_saves): to the request's pin, to the sequence of its earlier saves
+once every rank has written those, or else to a sequence created from its token ids (what kvpool holds already
+is matched, not copied), so that every rank writes into the same pages: each rank its own KV heads (and
+layers), vllm_worker. Each rank reports each save written or failed (KVPoolWorkerMeta, summed over the ranks
+by vLLM's KVOutputAggregator). Once every rank has reported a save: when one could not write, the scheduler
+releases its sequence uncommitted (`commit=false`); when all did, it commits the pages (the next step's call
+lists the sequence, and the request's next save appends to it) and frees the sequence when the request
+finishes. A page thus enters the prefix cache only once all of its KV heads and layers are written, and its
+pages are never released while a rank may still be writing them. A rank that dies never reports: its saves
+stay uncommitted, and kvpool frees them when vLLM shuts the connector down (or holds them, if the engine dies
+with them). A request given saves keeps its blocks after it finishes until every rank reports its saves done
+(get_finished, summed the same way by vLLM).
 
 Roles (vLLM's kv_role): a kv_producer only saves, a kv_consumer only loads, kv_both does both. A saving
 engine's finished request carries kv_transfer_params {"kvpool_tokens": the tokens of it kvpool holds or
@@ -202,6 +204,8 @@ class KVPoolConnectorScheduler:
             tokens = request.all_token_ids
             # The KV of tokens [0, computed) is in vLLM's blocks after this step; save whole pages of it.
             computed = min(request.num_computed_tokens + num_new, len(tokens))
+            if computed < request.num_prompt_tokens:
+                continue  # a prefill chunk: saved with the prompt's last chunk, one append for all of them
             end = computed // page_size * page_size
             if end <= self._saved.get(req_id, 0):
                 continue

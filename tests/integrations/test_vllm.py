@@ -166,6 +166,23 @@ def test_tokens_equal_vllm_alone_and_a_second_engine_loads_from_kvpool(
     assert pool["pages_cached"] > 0
 
 
+def test_a_prompt_prefilled_in_chunks_is_saved_in_one_append(model_dir: str, pool16: KVPool, tmp_path: Path) -> None:
+    """A step budget of 64 tokens prefills a 200-token prompt in four chunks: its 12 full pages are saved once,
+    with the last chunk (one append, not one per chunk), and a second engine loads all 12."""
+    prompt = tokens(5, 200)
+    chunked = {"max_num_batched_tokens": 64}
+    reference = alone_tokens(model_dir, {"p": prompt}, tmp_path / "alone.log", **chunked)["p"]
+    with Engine(model_dir, pool16.url, tmp_path / "first.log", **chunked) as first:
+        out = first.generate(prompt)[0]
+        stats = first.stats
+    assert out["token_ids"] == reference and out["num_cached_tokens"] == 0
+    assert (stats["saves"], stats["saved_tokens"]) == (1, 12 * 16), stats
+    with Engine(model_dir, pool16.url, tmp_path / "second.log", **chunked) as second:
+        again = second.generate(prompt)[0]
+    assert again["token_ids"] == reference and again["num_cached_tokens"] == 12 * 16
+    assert pool16.pool()["pages_used"] == 0
+
+
 def test_two_engines_at_once_share_prefixes_and_cache_salts_stay_apart(
     model_dir: str, reference: dict[str, list[int]], pool16: KVPool, tmp_path: Path
 ) -> None:
