@@ -86,7 +86,7 @@ def build_llm(config: dict[str, Any], connector_options: dict[str, Any]) -> Any:
         kv_cache_memory_bytes=config.get("kv_cache_memory_bytes", 64 << 20),
         kv_transfer_config=transfer,
         **parallel,
-        **({"max_num_batched_tokens": config["max_num_batched_tokens"]} if "max_num_batched_tokens" in config else {}),
+        max_num_batched_tokens=config.get("max_num_batched_tokens"),  # (None: vLLM's default)
     )
 
 

@@ -20,7 +20,6 @@ from benchmarks.processes import stop
 from benchmarks.serving.fleet import MODEL_NAME, REPO
 
 QA_DIR = REPO / "benchmarks" / "third_party" / "multi_round_qa"
-QA_WARMUP = 10  # multi-round-qa.py's warmup_engine() sends 10 requests before the workload
 
 
 @dataclass(frozen=True)

@@ -140,8 +140,8 @@ def run_once(
     }  # fmt: skip
     run["router"] = measure.routing(routed_before, measure.router_stats(target.url))
     # The servers' counters cover every request the engines served meanwhile, the clients' own warm-ups among them
-    # (LMCache's QA client first sends one request of 100 new tokens per user, vLLM's bench one test prompt), which
-    # the clients leave out of their counts: per request here is per request the proxy passed on.
+    # (LMCache's QA client first sends one request of 100 new tokens per user), which the clients leave out of
+    # their counts: per request here is per request the proxy passed on.
     served = len(lines)
     if server["kvpool_http_requests"] and served:
         bookkeeping(run, server, served)

@@ -8,20 +8,19 @@ Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S), and every read that finds a
        allkeys-lru, the hard bound. A TTL rather than only LRU, because a hash names a prefix forever:
        a stale entry is never wrong, only useless, and the TTL lets unused geometries and tenants age out.
 
-Writes go through redis-py (a background batch, pipelined SETs; RedisCluster on a cluster). Reads (a
-lookup waits on them) go in two steps: count() asks which pages the store holds (pipelined EXISTS, one
-round trip for most prompts), the restore allocates pool pages for those, and get_into() pipelines GETEX
-over service.tiers.resp, which receives each value's page bytes straight into its pool page (on a CPU
-pool; a host buffer otherwise), its header and checksum into small buffers beside, checked as it arrives; the pages are
-committed only once checked. Counting first is what lets the pages be allocated before the values
-come (receiving into them saves a copy of every byte) without allocating,
-and evicting device pages for, what the store does not hold. One connection on redis://, rediss:// (TLS)
-and unix:// URLs, one per node on
-redis[s]+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss:// with
-TLS options the reader does not handle (service.remote_url.TLS_OPTIONS) reads through redis-py's pipelines instead
-(slower: its parser copies each value). Each command
-is bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a failure is counted, the tier skipped for a second,
-and the next call reconnects. Needs Redis >= 6.2 (GETEX) or any Valkey.
+Writes go through redis-py (a background batch, pipelined SETs; RedisCluster on a cluster). Reads (a lookup
+waits on them) go in two steps: count() asks which pages the store holds (pipelined EXISTS, one round trip for
+most prompts), the restore allocates pool pages for those, and get_into() pipelines GETEX over
+service.tiers.resp, which receives each value's page bytes straight into its pool page (on a CPU pool; a host
+buffer otherwise), its header and checksum into small buffers beside, checked as it arrives; the pages are
+committed only once checked. Counting first is what lets the pages be allocated before the values come
+(receiving into them saves a copy of every byte) without allocating, and evicting device pages for, what the
+store does not hold. One connection on redis://, rediss:// (TLS) and unix:// URLs, one per node on
+redis[s]+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss:// with TLS
+options the reader does not handle (service.remote_url.TLS_OPTIONS) reads through redis-py's pipelines instead
+(slower: its parser copies each value). Each command is bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a
+failure is counted, the tier skipped for a second, and the next call reconnects. Needs Redis >= 6.2 (GETEX) or
+any Valkey.
 """
 
 import threading

@@ -101,7 +101,7 @@ def test_count_is_the_leading_run_the_store_holds_across_batches(redis_server: R
     if reader == "redis-py":
         store.reader = None
     hashes = [i.to_bytes(32, "big") for i in range(1, 2 * COUNT_BATCH + 40)]
-    keys = store._keys(hashes)
+    keys = [store.entries.key(h) for h in hashes]
     client = redis_server.client()
     try:
         for hole in (0, COUNT_BATCH - 1, COUNT_BATCH, COUNT_BATCH + 17, len(hashes)):
