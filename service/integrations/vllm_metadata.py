@@ -53,6 +53,10 @@ class KVPoolMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)  # requests vLLM preempted in this step (their blocks freed)
+    # Finished requests whose last pages a later step saves (their blocks kept: not finished for vLLM until
+    # then), and those whose last saves are in this step's (or were given up): finished once those are written.
+    finish_held: set[str] = field(default_factory=set)
+    finish_saved: set[str] = field(default_factory=set)
 
 
 @dataclass

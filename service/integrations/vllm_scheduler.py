@@ -11,9 +11,13 @@ never matches a prompt's last token, may match the page holding it; the loads th
 (vLLM allows a partial last block).
 
 Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated for a hit and a save for every
-request whose computed tokens filled more kvpool pages, once its prompt is computed: a prompt prefilled in
-chunks (longer than the step's token budget, or sharing it) is saved in one append with its last chunk, not
-one per chunk (each append is a call to kvpool that the step waits for). The scheduler appends those pages
+request whose computed prompt filled more kvpool pages: a prompt prefilled in chunks (longer than the step's
+token budget, or sharing it) is saved in one append with its last chunk, not one per chunk (each append is a
+call to kvpool that the step waits for). Pages filled while a request decodes ride on a call made anyway (a
+step's prompt saves, or finished requests' saves); a request's last pages are saved once it finishes (vLLM
+keeps its blocks until they are written), in the next step call with saves, or alone after FREE_WAIT_S (at
+once when the engine has no request left): decoding never makes a step wait for kvpool of its own. The
+scheduler appends those pages
 itself, all of a step's in one call (vllm_saves): to the request's pin, to the sequence of its earlier saves
 once every rank has written those, or else to a sequence created from its token ids (what kvpool holds already
 is matched, not copied), so that every rank writes into the same pages: each rank its own KV heads (and
@@ -87,6 +91,16 @@ class Held:
     end: int  # tokens [0, end) of the request
 
 
+@dataclass
+class Finishing:
+    """A finished request whose last pages, tokens [kvpool's, end), wait for a step call to be saved in; vLLM
+    keeps its blocks (`block_ids`) until every rank has written them."""
+
+    request: "Request"
+    end: int
+    block_ids: list[int]
+
+
 class KVPoolConnectorScheduler:
     """The scheduler role's state: its requests, their pins, what of each kvpool holds or is saving, and the
     saves waiting for their ranks."""
@@ -113,6 +127,9 @@ class KVPoolConnectorScheduler:
         self._to_commit: set[str] = set()  # held sequences with written pages not committed yet
         self._to_free: list[str] = []  # sequences released (committing) since the last step call: ride on the next
         self._free_since = 0.0  # when the oldest of them was released (monotonic)
+        self._finishing: dict[str, Finishing] = {}  # finished requests whose last pages wait for a save call
+        self._finish_since = 0.0  # when the oldest of them finished (monotonic)
+        self._finished_new: set[str] = set()  # of those, the ones the workers have not been told of yet
         self._next_save_id = 0
         # Pins whose loads not every rank has reported yet (rank reports to come), and what to do with each once
         # they have: a pin released meanwhile (its request finished or was aborted) stays held until then.
@@ -191,27 +208,44 @@ class KVPoolConnectorScheduler:
             self._loading[load.pin_id] += self._num_ranks
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
         page_size = self._link.page_size
-        if not page_size or manager is None or not self._role.saves:
+        if not page_size or not self._role.saves:
             self._flush_frees()
             return meta
         planned: list[Planned] = []
         block_ids: dict[str, list[int]] = {}
         held: dict[str, Held] = {}  # the held sequences this step's saves append to
+
+        def plan(req_id: str, end: int, blocks: list[int]) -> None:
+            block_ids[req_id] = blocks[: -(-end // self._block_size)]
+            planned.append((req_id, end, self._base(req_id, held)))
+
+        decoded: list[tuple[str, int, list[int]]] = []  # pages filled by decoding: saved with a call made anyway
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
-            if request is None:
+            if request is None or manager is None:
                 continue
-            tokens = request.all_token_ids
             # The KV of tokens [0, computed) is in vLLM's blocks after this step; save whole pages of it.
-            computed = min(request.num_computed_tokens + num_new, len(tokens))
+            computed = min(request.num_computed_tokens + num_new, len(request.all_token_ids))
             if computed < request.num_prompt_tokens:
                 continue  # a prefill chunk: saved with the prompt's last chunk, one append for all of them
             end = computed // page_size * page_size
             if end <= self._saved.get(req_id, 0):
                 continue
+            blocks = list(manager.get_block_ids(req_id)[0])
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                decoded.append((req_id, end, blocks))
+                continue
             self._saved[req_id] = end
-            block_ids[req_id] = list(manager.get_block_ids(req_id)[0])[: -(-end // self._block_size)]
-            planned.append((req_id, end, self._base(req_id, held)))
+            plan(req_id, end, blocks)
+        finishing = self._finishing_due(bool(planned))
+        meta.finish_saved, meta.finish_held = set(finishing), self._finished_new - set(finishing)
+        self._finished_new = set()
+        if planned or finishing:
+            for req_id, end, blocks in decoded:
+                self._saved[req_id] = end
+                plan(req_id, end, blocks)
+            for req_id, last in finishing.items():
+                plan(req_id, last.end, last.block_ids)
         if not planned:
             self._flush_frees()
             return meta
@@ -221,11 +255,16 @@ class KVPoolConnectorScheduler:
         # them, with the commits of written saves and the frees of finished requests riding along; a create
         # first for a save with no sequence).
         kept = {h.seq_id for h in held.values()}
-        appended = self._thread.call(lambda: self._append(planned, commit, kept, frees))
+        requests = {req_id: self._requests.get(req_id) or finishing[req_id].request for req_id, _, _ in planned}
+        appended = self._thread.call(lambda: self._append(planned, requests, commit, kept, frees))
         self._flush_frees()  # (those that found no call to ride on: off the step, on the connector's thread)
         if appended is None:  # kvpool unusable now: no save this step; the held sequences stay held
-            self._held.update(held)
             self._to_commit.update(commit)
+            for req_id, seq in held.items():
+                if req_id in finishing:
+                    self._release(seq.seq_id)  # a finished request's: nothing appends to it any more
+                else:
+                    self._held[req_id] = seq
             return meta
         for done in appended:
             if done is None:
@@ -236,7 +275,8 @@ class KVPoolConnectorScheduler:
             job = SaveJob(save_id, item.req_id, item.seq_id, done.instance_id, done.pages, item.start, item.end,
                           block_ids[item.req_id])  # fmt: skip
             meta.saves.append(job)
-            self._saving.add(item.req_id)
+            if item.req_id not in finishing:
+                self._saving.add(item.req_id)
         return meta
 
     def _base(self, req_id: str, taken: dict[str, Held]) -> tuple[str, int] | None:
@@ -255,7 +295,12 @@ class KVPoolConnectorScheduler:
         return held.seq_id, held.end
 
     def _append(
-        self, planned: list[Planned], commit: list[str], kept: set[str], frees: list[str]
+        self,
+        planned: list[Planned],
+        requests: dict[str, "Request"],
+        commit: list[str],
+        kept: set[str],
+        frees: list[str],
     ) -> list[Appended | None] | None:
         """On the connector's thread: the appends of the pages of tokens [kvpool's, end) of each request (None
         for a save with nothing to append, or that kvpool refused), `frees` freed in the same call (or, with
@@ -270,7 +315,7 @@ class KVPoolConnectorScheduler:
             return None
         items: list[Append] = []
         for req_id, end, base in planned:
-            request = self._requests[req_id]
+            request = requests[req_id]
             if base is None:
                 seq = link.create(list(request.all_token_ids[: end + 1]), request.cache_salt)
                 if seq is None:
@@ -285,6 +330,14 @@ class KVPoolConnectorScheduler:
             self._hand_back(frees)
             return []
         return append_all(link, items, commit, frees)
+
+    def _finishing_due(self, riding: bool) -> dict[str, Finishing]:
+        """The finished requests whose last pages go in this step's call: all of them, when the step makes one
+        anyway (`riding`), when the oldest has waited FREE_WAIT_S, or when the engine has no request left."""
+        if self._finishing and (riding or not self._requests or time.monotonic() - self._finish_since >= FREE_WAIT_S):
+            due, self._finishing = self._finishing, {}
+            return due
+        return {}
 
     def _hand_back(self, frees: list[str]) -> None:
         """Frees that found no call to ride on: the next _flush_frees sends them at once (they have waited)."""
@@ -337,19 +390,31 @@ class KVPoolConnectorScheduler:
 
     def has_pending_push_work(self) -> bool:
         """Saves wait for their ranks' reports, and released sequences for the next step call that frees them:
-        an engine that would go idle keeps stepping until they are done."""
-        return bool(self._open or self._to_free)
+        and so do finished requests' last pages for the call that saves them: an engine that would go idle keeps
+        stepping until they are done."""
+        return bool(self._open or self._to_free or self._finishing)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._requests.pop(req_id, None)
+        saved, page_size = self._saved.pop(req_id, 0), self._link.page_size
+        end = request.num_computed_tokens // page_size * page_size if page_size and self._role.saves else 0
+        if end > saved:
+            # Pages its decoding filled since its last save: saved by a later step's call, appended to its pin or
+            # held sequence (_base); vLLM keeps its blocks (`block_ids`: of its computed tokens) until then.
+            if not self._finishing:
+                self._finish_since = time.monotonic()
+            self._finishing[req_id] = Finishing(request, end, list(block_ids))
+            self._finished_new.add(req_id)
+            self._saving.discard(req_id)
+            return True, self._announcement(end)
         pin = self._pins.pop(req_id, None)
         if pin is not None:
             self._release(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
         held = self._held.pop(req_id, None)
         if held is not None:
             self._release(held.seq_id)  # its pages are written: committed
-        self._requests.pop(req_id, None)
-        params = self._announcement(self._saved.pop(req_id, 0))
+        params = self._announcement(saved)
         # A request given saves keeps its blocks until every rank's get_finished says they are copied.
         if req_id in self._saving:
             self._saving.discard(req_id)
@@ -385,6 +450,11 @@ class KVPoolConnectorScheduler:
         for held in self._held.values():
             self._release(held.seq_id)  # written by every rank: committed
         self._held.clear()
+        for req_id in self._finishing:  # (their last pages unsaved)
+            pin = self._pins.pop(req_id, None)
+            if pin is not None:
+                self._release(pin.seq_id)
+        self._finishing.clear()
         self._flush_frees(now=True)
 
     def _release(self, seq_id: str, commit: bool = True) -> None:

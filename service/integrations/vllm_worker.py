@@ -10,8 +10,9 @@ still lives on the mapped server; else the blocks are reported as load errors). 
 step's saves are queued on the connector's thread and the step goes on: each writes this rank's part of the
 pages the scheduler appended, into the pool of the server that appended them. Every save is reported
 written or failed to the scheduler (build_connector_worker_meta), which commits the pages once every rank
-has written them. get_finished reports the finished requests whose saves are done; handle_preemptions lets
-the saves of preempted requests finish first.
+has written them. get_finished reports the finished requests whose saves are done (a finished request whose
+last pages a later step saves, once that step's saves are: KVPoolMetadata.finish_held, finish_saved);
+handle_preemptions lets the saves of preempted requests finish first.
 """
 
 import logging
@@ -88,6 +89,7 @@ class KVPoolConnectorWorker:
         self._pending: Counter[str] = Counter()  # queued or running saves of each request
         self._save_reqs: set[str] = set()  # requests the scheduler gave a save (it delays their blocks' free)
         self._finishing: set[str] = set()  # of those, the finished ones whose saves are still pending
+        self._awaiting: set[str] = set()  # finished requests whose last saves a later step brings (finish_held)
         self._written: Counter[int] = Counter()  # saves done since the last report, by save_id: written
         self._failed: Counter[int] = Counter()  # ... and not written
         self._loaded: Counter[str] = Counter()  # loads done since the last report (read or not), by pin
@@ -176,6 +178,9 @@ class KVPoolConnectorWorker:
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         assert isinstance(meta, KVPoolMetadata)
         self._failed_reqs = set()
+        if meta.finish_held or meta.finish_saved:  # (here: vLLM may ask get_finished before wait_for_save)
+            with self._lock:
+                self._awaiting |= meta.finish_held | meta.finish_saved
         if meta.loads:
             self._thread.run(lambda: self._run_loads(meta.loads))  # the forward needs them: wait
 
@@ -244,6 +249,10 @@ class KVPoolConnectorWorker:
                 self._pending[job.req_id] += 1
             if self._thread.submit(partial(self._run_save, job, forward_done)):
                 self._waits["save_queue_full"] += 1
+        if meta.finish_saved:  # finished requests whose last saves were just queued (or given up)
+            with self._lock:
+                self._awaiting -= meta.finish_saved
+                self._finishing |= meta.finish_saved
 
     def _run_save(self, job: SaveJob, forward_done: "torch.cuda.Event | None" = None) -> None:
         began = time.perf_counter_ns()
@@ -301,7 +310,7 @@ class KVPoolConnectorWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The finished requests whose saves are all done: vLLM may free their blocks now."""
         with self._lock:
-            self._finishing |= finished_req_ids & self._save_reqs
+            self._finishing |= (finished_req_ids & self._save_reqs) - self._awaiting
             self._save_reqs -= finished_req_ids
             done = {req_id for req_id in self._finishing if req_id not in self._pending}
             self._finishing -= done

@@ -7,6 +7,7 @@ scheduler side against a real `kvpool serve`, one call at a time, so that the re
 under test (a real engine reports a step's loads before it could release their pins).
 """
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -25,9 +26,10 @@ from vllm.v1.request import Request
 from service.client import KVPoolClient
 from service.integrations.kvpool_link import Geometry, KVPoolLink
 from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, Role
-from service.integrations.vllm_scheduler import KVPoolConnectorScheduler
+from service.integrations.vllm_scheduler import FREE_WAIT_S, KVPoolConnectorScheduler
 from service.integrations.vllm_thread import ConnectorThread
 from tests.integrations.test_vllm import KVPool, model_dir, tokens
+from tests.integrations.test_vllm_saves import calls
 
 __all__ = ["model_dir"]  # the tiny Llama fixture of test_vllm.py, shared
 PAGE = 16
@@ -102,4 +104,106 @@ def test_the_lookup_answer_names_the_instance(model_dir: str) -> None:
         raw = httpx.post(f"{server.url}/v1/sequences?instance=true", json={"seq_id": "c"}, timeout=10)
         assert raw.status_code == 201 and raw.json()["instance_id"] == named.instance_id
     finally:
+        server.stop()
+
+
+class Steps:
+    """vLLM's scheduler loop, one step at a time, around the connector's scheduler side: a real KVCacheManager
+    allocates each step's blocks, the plan is built, the requests advance, and every rank reports each save
+    written (`ranks`)."""
+
+    def __init__(self, scheduler: KVPoolConnectorScheduler, ranks: int) -> None:
+        import torch
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+        spec = FullAttentionSpec(block_size=PAGE, num_kv_heads=2, head_size=32, dtype=torch.float32)
+        config = KVCacheConfig(64, [], [KVCacheGroupSpec(["layer"], spec)])
+        self.manager = KVCacheManager(config, 1024, PAGE, PAGE, enable_caching=False)
+        self.scheduler, self.ranks, self.running = scheduler, ranks, []  # type: list[Request]
+
+    def add(self, request: Request) -> None:
+        self.scheduler.get_num_new_matched_tokens(request, 0)
+        blocks = self.manager.allocate_slots(request, request.num_prompt_tokens)
+        assert blocks is not None
+        self.scheduler.update_state_after_alloc(request, blocks, 0)
+        self.running.append(request)
+
+    def step(self) -> KVPoolMetadata:
+        """One step: a new request's whole prompt, one token for each decoding one."""
+        out = SchedulerOutput.make_empty()
+        out.num_scheduled_tokens = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.running}
+        for request in self.running:
+            if request.num_computed_tokens:
+                assert self.manager.allocate_slots(request, 1) is not None
+        meta = self.scheduler.build_connector_meta(out, self.manager)
+        assert isinstance(meta, KVPoolMetadata)
+        for request in self.running:
+            request.num_computed_tokens = request.num_tokens
+            request.append_output_token_ids(7)
+        written = Counter({job.save_id: self.ranks for job in meta.saves})
+        output = KVConnectorOutput(kv_connector_worker_meta=KVPoolWorkerMeta(written=written))
+        self.scheduler.update_connector_output(output)
+        return meta
+
+    def finish(self, request: Request) -> bool:
+        self.running.remove(request)
+        blocks = list(self.manager.get_block_ids(request.request_id)[0])
+        delay, _ = self.scheduler.request_finished(request, blocks)
+        return delay
+
+
+def test_decoded_pages_ride_on_a_call_made_anyway_and_the_rest_go_once_the_request_finishes(model_dir: str) -> None:
+    server = KVPool(model_dir, PAGE)
+    thread = ConnectorThread(8)
+    link: KVPoolLink | None = None
+    try:
+        pool = server.pool()
+        geometry = Geometry(pool["num_layers"], pool["num_kv_heads"], pool["head_dim"], pool["dtype"])
+        link = KVPoolLink(server.url, None, geometry, 10.0, 1.0, "scheduler")
+        assert link.connect(at_start=True)
+        scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role())
+        steps = Steps(scheduler, 1)
+        a = Request("a", tokens(5, 40), SamplingParams(max_tokens=100), None)
+        b = Request("b", tokens(6, 50), SamplingParams(max_tokens=100), None)
+
+        steps.add(a)
+        first = steps.step()  # a's prompt: its 2 full pages
+        assert [(j.req_id, j.start, j.end) for j in first.saves] == [("a", 0, 32)]
+        # a decodes through token 48 (a full third page): no call of its own for it.
+        quiet = [steps.step() for _ in range(10)]
+        assert a.num_computed_tokens == 50 and not any(m.saves for m in quiet)
+        steps.add(b)
+        both = steps.step()  # b's prompt is saved: a's third page rides in the same call
+        assert [(j.req_id, j.start, j.end) for j in both.saves] == [("b", 0, 48), ("a", 32, 48)]
+        quiet = [steps.step() for _ in range(14)]  # a decodes through token 64: nothing saved
+        assert a.num_computed_tokens == 65 and not any(m.saves for m in quiet)
+        assert steps.finish(a)  # its last page waits for a call: vLLM keeps its blocks meanwhile
+        held = steps.step()  # (b still decodes: within FREE_WAIT_S a call of a's save alone waits for company)
+        assert not held.saves and held.finish_held == {"a"} and not held.finish_saved
+        time.sleep(FREE_WAIT_S)
+        last = steps.step()  # once it has waited FREE_WAIT_S: b's fourth page, filled meanwhile, rides along
+        assert [(j.req_id, j.start, j.end) for j in last.saves] == [("b", 48, 64), ("a", 48, 64)]
+        assert last.finish_saved == {"a"} and not last.finish_held
+        assert b.num_computed_tokens == 66 and steps.finish(b)  # (nothing more of b to save; its saves were)
+        final = steps.step()
+        assert not final.saves and not final.finish_saved and not final.finish_held
+        assert not scheduler.has_pending_push_work()  # (the frees went on the thread, not waited for)
+        thread.run(lambda: None)
+
+        # Five saves in three calls: one per step with a prompt, one for a's last page (and the frees).
+        made = calls(server)
+        appends = made["POST /v1/step"] + made["POST /v1/sequences/{seq_id}/append"] - link.stats["free_calls"]
+        assert (link.stats["saves"], appends, made["POST /v1/sequences"]) == (5, 3, 2), (made, link.stats)
+        with KVPoolClient(server.url) as client:  # kvpool holds a's 64 tokens and b's 64
+            assert client.create_sequence("check-a", a.all_token_ids[:65]).cached_tokens == 64
+            assert client.create_sequence("check-b", b.all_token_ids[:65]).cached_tokens == 64
+            client.free("check-a")
+            client.free("check-b")
+        after = server.pool()
+        assert (after["pages_used"], after["num_sequences"]) == (0, 0), after
+    finally:
+        thread.close()
+        if link is not None:
+            link.close()
         server.stop()
