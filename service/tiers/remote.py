@@ -10,12 +10,14 @@ Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S), and every read that finds a
 
 Writes go through redis-py (a background batch, pipelined SETs; RedisCluster on a cluster). Reads (a lookup
 waits on them) go in two steps: count() asks which pages the store holds (pipelined EXISTS, one round trip for
-most prompts), the restore allocates pool pages for those, and get_into() pipelines GETEX over
+most prompts; count_on_loop() asks the same on the event loop, over service.tiers.resp_async, wherever one
+node is read by our reader), the restore allocates pool pages for those, and get_into() pipelines GETEX over
 service.tiers.resp, which receives each value's page bytes straight into its pool page (on a CPU pool; a host
 buffer otherwise), its header and checksum into small buffers beside, checked as it arrives; the pages are
 committed only once checked. Counting first is what lets the pages be allocated before the values come
 (receiving into them saves a copy of every byte) without allocating, and evicting device pages for, what the
-store does not hold. One connection on redis://, rediss:// (TLS) and unix:// URLs, one per node on
+store does not hold. One connection for the reads on redis://, rediss:// (TLS) and unix:// URLs (and up to
+resp_async.MAX_CONNECTIONS for the counts on the loop), one per node on
 redis[s]+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss:// with TLS
 options the reader does not handle (service.remote_url.TLS_OPTIONS) reads through redis-py's pipelines instead
 (slower: its parser copies each value). Each command is bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a
@@ -24,7 +26,7 @@ any Valkey.
 """
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 
 import numpy as np
 import redis
@@ -37,6 +39,7 @@ from service.remote_url import is_cluster_url
 from service.tiers.cluster import ClusterReader, cluster_client
 from service.tiers.entries import EntryFormat
 from service.tiers.resp import REDIRECTED, WRONG_TYPE, RespConnection
+from service.tiers.resp_async import LoopReader
 from service.tiers.stats import TierStats
 
 Chain = tuple[list[bytes], list[bytes]]  # page hashes, token bytes
@@ -69,6 +72,8 @@ class RemoteStore:
             self.reader = ClusterReader(self.url, self.timeout)
         elif RespConnection.supports(self.url):
             self.reader = RespConnection.from_url(self.url, self.timeout)
+        # count() on the loop (one node): connections of its own, opened as the reader's are.
+        self.loop_reader = LoopReader(self.reader) if isinstance(self.reader, RespConnection) else None
         self._client_lock = threading.Lock()  # the client's creation (both threads use it)
         self.stats = TierStats()
 
@@ -96,29 +101,58 @@ class RemoteStore:
         tokens = [data[i * page_nbytes : (i + 1) * page_nbytes] for i in range(skip, skip + len(hashes))]
         return hashes, tokens
 
+    @property
+    def counts_on_loop(self) -> bool:
+        """Whether count_on_loop can count (one node, read by our reader); else count(), blocking."""
+        return self.loop_reader is not None and isinstance(self.reader, RespConnection)
+
     def count(self, hashes: list[bytes]) -> int:
         """How many of the pages `hashes`, from the first, the store holds (pipelined EXISTS in batches
         of COUNT_BATCH keys, then twice that, ..., stopping at the first short one; nothing refreshed,
-        nothing checked: a restore allocates pages for these, then get_into reads them). Raises the
-        client's errors."""
+        nothing checked: a restore allocates pages for these, then get_into reads them). Blocking, on
+        the caller's thread. Raises the client's errors."""
+        plan = self._counting(hashes)
+        try:
+            keys = next(plan)
+            while True:
+                keys = plan.send(self._exists(keys))
+        except StopIteration as done:
+            return int(done.value)
+
+    async def count_on_loop(self, hashes: list[bytes]) -> int:
+        """count() on the running loop, over service.tiers.resp_async (counts_on_loop: one node)."""
+        assert self.loop_reader is not None
+        plan = self._counting(hashes)
+        try:
+            keys = next(plan)
+            while True:
+                keys = plan.send(await self.loop_reader.exists(keys))
+        except StopIteration as done:
+            return int(done.value)
+
+    def _counting(self, hashes: list[bytes]) -> Generator[list[bytes], list[int], int]:
+        """count()'s batches and what their replies mean, once for both ways of asking: yields each
+        batch's keys, is sent their EXISTS replies, returns the count."""
         num, start, size = 0, 0, COUNT_BATCH
         while start < len(hashes):
-            keys = self._keys(hashes[start : start + size])
+            replies = yield [key.encode() for key in self._keys(hashes[start : start + size])]
             start, size = start + size, 2 * size
-            if self.reader is None:
-                pipe = self.client().pipeline(transaction=False)
-                for key in keys:
-                    pipe.exists(key)
-                replies: list[int] = pipe.execute()
-            else:
-                self.reader.send_keyed(b"EXISTS", [key.encode() for key in keys])
-                replies = [self.reader.read_int() for _ in keys]
             self.stats.errors += REDIRECTED in replies  # the slot moved (a resharding or failover)
             held = next((i for i, reply in enumerate(replies) if reply != 1), len(replies))
             num += held
             if held < len(replies):
                 break
         return num
+
+    def _exists(self, keys: list[bytes]) -> list[int]:
+        if self.reader is None:
+            pipe = self.client().pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            replies: list[int] = pipe.execute()
+            return replies
+        self.reader.send_keyed(b"EXISTS", keys)
+        return [self.reader.read_int() for _ in keys]
 
     def get_into(self, hashes: list[bytes], tokens: list[bytes], pages: Sequence[Sequence[memoryview]]) -> int:
         """The entries of `hashes` (token bytes `tokens`), each page's bytes received into `pages[i]`
@@ -204,5 +238,7 @@ class RemoteStore:
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
+        if self.loop_reader is not None:
+            self.loop_reader.close()
         if self._client is not None:
             self._client.close()

@@ -5,9 +5,12 @@ Writes: committed() queues newly computed pages here (bounded: a full queue skip
 counts). A task on the loop takes batches of about 8 MiB, keeps the pages still registered under
 the same hash (evicted ones are no longer those pages), gathers them through the engine (after the
 write that committed them, submitted first) and sends them from a thread (RemoteStore.put).
-Lookups run RemoteStore.count (lookup()), then RemoteStore.get_into (load_into()), on another
-thread, so a slow store never blocks the loop; a failure is counted, logged once per incident, and the
-tier is skipped for a second (Incident).
+Lookups (lookup()) count what the store holds on the loop, over asyncio streams (RemoteStore.count_on_loop:
+a few hundred bytes each way, where a hop to a thread and back cost more than the round trip under load),
+or on a cluster, or through redis-py, on the read thread (RemoteStore.count). Reads (load_into()) receive
+the pages on the read thread (RemoteStore.get_into: blocking recv_into straight into the pages), so a
+slow store never blocks the loop. A failure is counted, logged once per incident, and the tier is
+skipped for a second (Incident).
 """
 
 import asyncio
@@ -120,17 +123,21 @@ class RemoteTier:
         if start >= limit or not self.incident.usable():
             return []
 
-        def count() -> Found:  # (on the read thread: the chain's hashes and the round trips)
+        def count() -> tuple[list[bytes], int]:  # (on the read thread: the chain's hashes and the round trips)
             hashes = chain.hashes(limit)[start:]
-            num = self.store.count(hashes)
-            return [(h, chain.tokens(start + i)) for i, h in enumerate(hashes[:num])]
+            return hashes, self.store.count(hashes)
 
         try:
-            found = await asyncio.get_running_loop().run_in_executor(self._read, count)
+            if self.store.counts_on_loop:  # one wake-up per round trip, where the read thread cost three
+                hashes = chain.hashes(limit)[start:]
+                num = await self.store.count_on_loop(hashes)
+            else:  # a cluster, or reads through redis-py: blocking
+                hashes, num = await asyncio.get_running_loop().run_in_executor(self._read, count)
         except Exception as exc:
             self.incident.failed(self.stats, exc)
             return []
         self.incident.succeeded()
+        found = [(h, chain.tokens(start + i)) for i, h in enumerate(hashes[:num])]
         if not found:
             self.stats.misses += 1
         return found

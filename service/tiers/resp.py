@@ -3,7 +3,9 @@ it is to stay (recv_into: a row of an array, or the parts of a pool page with th
 checksum in small buffers beside), no copy in between. redis-py's Python parser copies every value 3-4
 times through a BytesIO, which capped restores well below what the store can send (docs/benchmarks.md,
 "Figures behind the code").
-EXISTS (read_int) counts what a restore will read before it allocates pages for it.
+EXISTS (read_int) counts what a restore will read before it allocates pages for it (on a cluster; one
+node's count runs on the event loop, service.tiers.resp_async, with this module's encode, greeting and
+parse_int).
 
 GETEX key EX ttl rather than MGET: it refreshes the entry's TTL in the same round trip (a hot prefix
 never ages out), it needs no two keys in one hash slot (Redis Cluster, service.tiers.cluster), and for
@@ -59,6 +61,32 @@ def tls_context(options: Mapping[str, Any]) -> ssl.SSLContext:
 
 class RespError(Exception):
     """The server answered with an error, or with something other than what was asked for."""
+
+
+def encode(commands: Sequence[Sequence[bytes]]) -> bytes:
+    """Commands as RESP arrays of bulk strings, in one buffer (one write); the blocking and the asyncio
+    connections (service.tiers.resp_async) send the same bytes."""
+    parts = []
+    for args in commands:
+        parts.append(b"*%d\r\n" % len(args))
+        for a in args:
+            parts.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(parts)
+
+
+def check_ok(args: Sequence[bytes], line: bytes) -> None:
+    """The reply line to `args` (AUTH, SELECT) is +OK, or RespError."""
+    if not line.startswith(b"+"):
+        raise RespError(f"{args[0].decode()}: {line[:200]!r}")
+
+
+def parse_int(line: bytes) -> int:
+    """An integer reply line (EXISTS) as its value, or REDIRECTED (-MOVED/-ASK); RespError otherwise."""
+    if line[:1] == b":":
+        return int(line[1:])
+    if line.startswith((b"-MOVED ", b"-ASK ")):
+        return REDIRECTED
+    raise RespError(f"expected an integer: {line[:200]!r}")
 
 
 class RespConnection:
@@ -126,15 +154,23 @@ class RespConnection:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUF)
         self.sock, self.start, self.end = sock, 0, 0
         try:
-            if self.password:
-                auth = [self.username, self.password] if self.username else [self.password]
-                self._expect_ok([b"AUTH", *(a.encode() for a in auth)])
-            if self.db:
-                self._expect_ok([b"SELECT", str(self.db).encode()])
+            for args in self.greeting():
+                self._expect_ok(args)
         except BaseException:
             self.close()
             raise
         return sock
+
+    def greeting(self) -> list[list[bytes]]:
+        """What a fresh connection sends first, each answered +OK (check_ok): AUTH (user, password) and
+        SELECT (db), as the URL asks."""
+        commands = []
+        if self.password:
+            auth = [self.username, self.password] if self.username else [self.password]
+            commands.append([b"AUTH", *(a.encode() for a in auth)])
+        if self.db:
+            commands.append([b"SELECT", str(self.db).encode()])
+        return commands
 
     def close(self) -> None:
         if self.sock is not None:
@@ -146,13 +182,8 @@ class RespConnection:
         if self.sock is None:
             self._connect()
         assert self.sock is not None
-        parts = []
-        for args in commands:
-            parts.append(b"*%d\r\n" % len(args))
-            for a in args:
-                parts.append(b"$%d\r\n%s\r\n" % (len(a), a))
         try:
-            self.sock.sendall(b"".join(parts))
+            self.sock.sendall(encode(commands))
         except BaseException:
             self.close()
             raise
@@ -167,9 +198,7 @@ class RespConnection:
 
     def _expect_ok(self, args: Sequence[bytes]) -> None:
         self.send([args])
-        line = self._line()
-        if not line.startswith(b"+"):
-            raise RespError(f"{args[0].decode()}: {line[:200]!r}")
+        check_ok(args, self._line())
 
     # -- reading ----------------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -245,12 +274,7 @@ class RespConnection:
     def read_int(self) -> int:
         """The next reply, an integer (EXISTS), or REDIRECTED (-MOVED/-ASK)."""
         try:
-            line = self._line()
-            if line[:1] == b":":
-                return int(line[1:])
-            if line.startswith((b"-MOVED ", b"-ASK ")):
-                return REDIRECTED
-            raise RespError(f"expected an integer: {line[:200]!r}")
+            return parse_int(self._line())
         except BaseException:
             self.close()
             raise
