@@ -231,7 +231,10 @@ def main() -> None:
     llm = build_llm(config, {"timeout_s": 2.0, "retry_interval_s": 0.5})
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=config.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=config.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+        stop_token_ids=config.get("stop_token_ids"),
+    )  # fmt: skip
     executor = llm.llm_engine.engine_core.engine_core.model_executor
     workers = {w.rank: w.proc.pid for w in getattr(executor, "workers", ())}  # (a MultiprocExecutor's)
     print(json.dumps({"ready": True, "workers": workers}), flush=True)

@@ -53,9 +53,8 @@ class KVPoolMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)  # requests vLLM preempted in this step (their blocks freed)
-    # Finished requests whose last pages a later step saves (their blocks kept: not finished for vLLM until
-    # then), and those whose last saves are in this step's (or were given up): finished once those are written.
-    finish_held: set[str] = field(default_factory=set)
+    # Requests finished in the last step whose last pages this step saves (or gave up saving): vLLM frees their
+    # blocks once every rank has written them (get_finished).
     finish_saved: set[str] = field(default_factory=set)
 
 

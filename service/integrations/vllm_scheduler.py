@@ -14,10 +14,11 @@ Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated f
 request whose computed prompt filled more kvpool pages: a prompt prefilled in chunks (longer than the step's
 token budget, or sharing it) is saved in one append with its last chunk, not one per chunk (each append is a
 call to kvpool that the step waits for). Pages filled while a request decodes ride on a call made anyway (a
-step's prompt saves, or finished requests' saves); a request's last pages are saved once it finishes (vLLM
-keeps its blocks until they are written), in the next step call with saves, or alone after FREE_WAIT_S (at
-once when the engine has no request left): decoding never makes a step wait for kvpool of its own. The
-scheduler appends those pages
+step's prompt saves, or finished requests' saves) until the step that samples its last token by length
+(max_tokens), which saves them; a request that stops otherwise (a stop token or string) has what is left saved
+in the step after it finishes (vLLM keeps its blocks until they are written). A decoding request thus makes
+at most one call of its own, whatever its length, where it made one per page it filled. The scheduler appends
+those pages
 itself, all of a step's in one call (vllm_saves): to the request's pin, to the sequence of its earlier saves
 once every rank has written those, or else to a sequence created from its token ids (what kvpool holds already
 is matched, not copied), so that every rank writes into the same pages: each rank its own KV heads (and
@@ -93,8 +94,8 @@ class Held:
 
 @dataclass
 class Finishing:
-    """A finished request whose last pages, tokens [kvpool's, end), wait for a step call to be saved in; vLLM
-    keeps its blocks (`block_ids`) until every rank has written them."""
+    """A finished request whose last pages, tokens [kvpool's, end), the next step saves; vLLM keeps its blocks
+    (`block_ids`) until every rank has written them."""
 
     request: "Request"
     end: int
@@ -127,9 +128,7 @@ class KVPoolConnectorScheduler:
         self._to_commit: set[str] = set()  # held sequences with written pages not committed yet
         self._to_free: list[str] = []  # sequences released (committing) since the last step call: ride on the next
         self._free_since = 0.0  # when the oldest of them was released (monotonic)
-        self._finishing: dict[str, Finishing] = {}  # finished requests whose last pages wait for a save call
-        self._finish_since = 0.0  # when the oldest of them finished (monotonic)
-        self._finished_new: set[str] = set()  # of those, the ones the workers have not been told of yet
+        self._finishing: dict[str, Finishing] = {}  # finished requests whose last pages the next step saves
         self._next_save_id = 0
         # Pins whose loads not every rank has reported yet (rank reports to come), and what to do with each once
         # they have: a pin released meanwhile (its request finished or was aborted) stays held until then.
@@ -232,14 +231,15 @@ class KVPoolConnectorScheduler:
             if end <= self._saved.get(req_id, 0):
                 continue
             blocks = list(manager.get_block_ids(req_id)[0])
-            if request.num_computed_tokens >= request.num_prompt_tokens:
+            # (the step that samples its last token by length saves what it decoded: nothing is left at its finish)
+            final = len(request.output_token_ids) + num_new >= request.max_tokens
+            if request.num_computed_tokens >= request.num_prompt_tokens and not final:
                 decoded.append((req_id, end, blocks))
                 continue
             self._saved[req_id] = end
             plan(req_id, end, blocks)
-        finishing = self._finishing_due(bool(planned))
-        meta.finish_saved, meta.finish_held = set(finishing), self._finished_new - set(finishing)
-        self._finished_new = set()
+        finishing, self._finishing = self._finishing, {}
+        meta.finish_saved = set(finishing)
         if planned or finishing:
             for req_id, end, blocks in decoded:
                 self._saved[req_id] = end
@@ -331,14 +331,6 @@ class KVPoolConnectorScheduler:
             return []
         return append_all(link, items, commit, frees)
 
-    def _finishing_due(self, riding: bool) -> dict[str, Finishing]:
-        """The finished requests whose last pages go in this step's call: all of them, when the step makes one
-        anyway (`riding`), when the oldest has waited FREE_WAIT_S, or when the engine has no request left."""
-        if self._finishing and (riding or not self._requests or time.monotonic() - self._finish_since >= FREE_WAIT_S):
-            due, self._finishing = self._finishing, {}
-            return due
-        return {}
-
     def _hand_back(self, frees: list[str]) -> None:
         """Frees that found no call to ride on: the next _flush_frees sends them at once (they have waited)."""
         if frees:
@@ -390,7 +382,7 @@ class KVPoolConnectorScheduler:
 
     def has_pending_push_work(self) -> bool:
         """Saves wait for their ranks' reports, and released sequences for the next step call that frees them:
-        and so do finished requests' last pages for the call that saves them: an engine that would go idle keeps
+        and so do finished requests' last pages for the step that saves them: an engine that would go idle keeps
         stepping until they are done."""
         return bool(self._open or self._to_free or self._finishing)
 
@@ -400,12 +392,11 @@ class KVPoolConnectorScheduler:
         saved, page_size = self._saved.pop(req_id, 0), self._link.page_size
         end = request.num_computed_tokens // page_size * page_size if page_size and self._role.saves else 0
         if end > saved:
-            # Pages its decoding filled since its last save: saved by a later step's call, appended to its pin or
-            # held sequence (_base); vLLM keeps its blocks (`block_ids`: of its computed tokens) until then.
-            if not self._finishing:
-                self._finish_since = time.monotonic()
+            # Pages its decoding filled since its last save (it stopped before its max_tokens): saved by the next
+            # step, appended to its pin or held sequence (_base); vLLM keeps its blocks (`block_ids`: of its
+            # computed tokens) until every rank has written them. Not later: blocks held keep requests waiting.
             self._finishing[req_id] = Finishing(request, end, list(block_ids))
-            self._finished_new.add(req_id)
+            self._link.stats["saves_after_finish"] += 1
             self._saving.discard(req_id)
             return True, self._announcement(end)
         pin = self._pins.pop(req_id, None)

@@ -11,7 +11,7 @@ step's saves are queued on the connector's thread and the step goes on: each wri
 pages the scheduler appended, into the pool of the server that appended them. Every save is reported
 written or failed to the scheduler (build_connector_worker_meta), which commits the pages once every rank
 has written them. get_finished reports the finished requests whose saves are done (a finished request whose
-last pages a later step saves, once that step's saves are: KVPoolMetadata.finish_held, finish_saved);
+last pages the next step saves, once those are: KVPoolMetadata.finish_saved);
 handle_preemptions lets the saves of preempted requests finish first.
 """
 
@@ -89,7 +89,7 @@ class KVPoolConnectorWorker:
         self._pending: Counter[str] = Counter()  # queued or running saves of each request
         self._save_reqs: set[str] = set()  # requests the scheduler gave a save (it delays their blocks' free)
         self._finishing: set[str] = set()  # of those, the finished ones whose saves are still pending
-        self._awaiting: set[str] = set()  # finished requests whose last saves a later step brings (finish_held)
+        self._awaiting: set[str] = set()  # finished requests whose last saves this step brings (finish_saved)
         self._written: Counter[int] = Counter()  # saves done since the last report, by save_id: written
         self._failed: Counter[int] = Counter()  # ... and not written
         self._loaded: Counter[str] = Counter()  # loads done since the last report (read or not), by pin
@@ -178,9 +178,9 @@ class KVPoolConnectorWorker:
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         assert isinstance(meta, KVPoolMetadata)
         self._failed_reqs = set()
-        if meta.finish_held or meta.finish_saved:  # (here: vLLM may ask get_finished before wait_for_save)
+        if meta.finish_saved:  # (here: vLLM may ask get_finished before wait_for_save, which queues them)
             with self._lock:
-                self._awaiting |= meta.finish_held | meta.finish_saved
+                self._awaiting |= meta.finish_saved
         if meta.loads:
             self._thread.run(lambda: self._run_loads(meta.loads))  # the forward needs them: wait
 

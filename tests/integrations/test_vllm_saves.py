@@ -1,6 +1,6 @@
 """How the connector's saves reach kvpool: a step's saves in one call, a request's later saves appended to the
-sequence of its earlier ones, the pages decoding fills saved with a call made anyway or when the request
-finishes, frees riding on the step calls, and a refused batch split so that one request's refusal leaves the
+sequence of its earlier ones, the pages decoding fills saved with a call made anyway or in the request's
+last step, frees riding on the step calls, and a refused batch split so that one request's refusal leaves the
 others saved.
 
 A real vLLM engine (benchmarks/vllm_engine, vLLM's own prefix cache off) against a real `kvpool serve`;
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.integrations.test_vllm import Engine, KVPool, model_dir, tokens
+from tests.integrations.test_vllm import Engine, KVPool, alone_tokens, model_dir, tokens
 
 __all__ = ["model_dir"]  # the tiny Llama fixture of test_vllm.py, shared
 LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -33,7 +33,7 @@ def calls(server: KVPool) -> Counter[str]:
     return counts
 
 
-def test_a_steps_saves_go_in_one_call_and_decoded_pages_wait_for_the_request_to_finish(
+def test_a_steps_saves_go_in_one_call_and_decoded_pages_wait_for_the_requests_last_step(
     model_dir: str, tmp_path: Path
 ) -> None:
     server = KVPool(model_dir, PAGE)
@@ -59,11 +59,11 @@ def test_a_steps_saves_go_in_one_call_and_decoded_pages_wait_for_the_request_to_
     # call; its free, when it finishes, rides on the engine's next step call (one with saves, or one of frees
     # alone at the end of a step without saves): no DELETE. Saves: the prompts' pages in the prefill's step, then
     # each request's pages its decoding filled (100+40 -> pages at 112, 128; 90 -> 96, 112, 128; 70 -> 80, 96;
-    # 50 -> 64, 80), none while it decodes (no other call to ride on: no prompt came meanwhile), all four once they
-    # finish, in one call (the engine has no request left).
+    # 50 -> 64, 80), none while it decodes (no other call to ride on: no prompt came meanwhile), all four in the
+    # step that samples their 40th and last token, in one call.
     assert grown["POST /v1/sequences"] == 4 and grown["DELETE /v1/sequences/{seq_id}"] == 0, grown
     assert stats["frees"] == 4 and 1 <= stats["free_calls"] <= 4, stats
-    assert stats["saves"] == 4 + 4 and stats["append_batches"] == 2, stats
+    assert stats["saves"] == 4 + 4 and stats["append_batches"] == 2 and "saves_after_finish" not in stats, stats
     assert stats.get("append_batches_split", 0) == 0
     assert grown["POST /v1/step"] == 2 + stats["free_calls"] and grown["POST /v1/sequences/{seq_id}/append"] == 0
     assert stats["saved_tokens"] == sum((len(p) + 39) // PAGE * PAGE for p in prompts)  # (the last token: no KV)
@@ -98,3 +98,35 @@ def test_a_refused_batch_leaves_nothing_of_the_refused_request_and_the_others_sa
     assert [out["num_cached_tokens"] for out in again] == [0, 48, 64]
     assert [out["token_ids"] for out in again] == [out["token_ids"] for out in first]
     assert (after["pages_used"], after["num_sequences"]) == (0, 0)
+
+
+def test_a_request_that_stops_before_its_max_tokens_has_its_last_pages_saved_after_it_finishes(
+    model_dir: str, tmp_path: Path
+) -> None:
+    prompt = tokens(30, 78)  # 4 full pages, and 14 tokens of a fifth
+    full = alone_tokens(model_dir, {"p": prompt}, tmp_path / "alone.log", max_tokens=40)["p"]
+    # The last generated token not seen before it, as the stop token: the request stops there, short of its
+    # max_tokens (the tiny random model soon repeats itself), so that the connector cannot tell its last step.
+    k = max(k for k, t in enumerate(full) if t not in full[:k])
+    stop = full[k]
+    assert len(prompt) + k >= 5 * PAGE and k + 1 < 40, full  # (its decoding fills the fifth page)
+    server = KVPool(model_dir, PAGE)
+    try:
+        engine = Engine(model_dir, server.url, tmp_path / "engine.log", max_tokens=40, stop_token_ids=[stop])
+        try:
+            out = engine.generate(prompt)[0]["token_ids"]
+            stats = engine.stats
+            computed = len(prompt) + len(out) - 1  # (the stop token: sampled, its KV never computed)
+            again = engine.generate(prompt + out[:-1])[0]  # everything before the stop token: from kvpool
+        finally:
+            engine.close()
+        pool = server.pool()
+    finally:
+        server.stop()
+    assert out == full[: len(out)] and out[-1] == stop and len(out) < 40
+    # Two saves: the prompt's 4 pages in its prefill step; the pages its decoding filled in the step after it
+    # finished, vLLM keeping its blocks until they were written.
+    assert (stats["saves"], stats["saved_tokens"]) == (2, computed // PAGE * PAGE), stats
+    assert stats["saves_after_finish"] == 1
+    assert again["num_cached_tokens"] == computed // PAGE * PAGE and again["token_ids"][0] == stop
+    assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)

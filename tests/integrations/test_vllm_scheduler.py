@@ -7,7 +7,6 @@ scheduler side against a real `kvpool serve`, one call at a time, so that the re
 under test (a real engine reports a step's loads before it could release their pins).
 """
 
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from vllm.v1.request import Request
 from service.client import KVPoolClient
 from service.integrations.kvpool_link import Geometry, KVPoolLink
 from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, Role
-from service.integrations.vllm_scheduler import FREE_WAIT_S, KVPoolConnectorScheduler
+from service.integrations.vllm_scheduler import KVPoolConnectorScheduler
 from service.integrations.vllm_thread import ConnectorThread
 from tests.integrations.test_vllm import KVPool, model_dir, tokens
 from tests.integrations.test_vllm_saves import calls
@@ -153,7 +152,7 @@ class Steps:
         return delay
 
 
-def test_decoded_pages_ride_on_a_call_made_anyway_and_the_rest_go_once_the_request_finishes(model_dir: str) -> None:
+def test_decoded_pages_ride_on_a_call_made_anyway_until_the_requests_last_step_or_its_finish(model_dir: str) -> None:
     server = KVPool(model_dir, PAGE)
     thread = ConnectorThread(8)
     link: KVPoolLink | None = None
@@ -164,39 +163,40 @@ def test_decoded_pages_ride_on_a_call_made_anyway_and_the_rest_go_once_the_reque
         assert link.connect(at_start=True)
         scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role())
         steps = Steps(scheduler, 1)
-        a = Request("a", tokens(5, 40), SamplingParams(max_tokens=100), None)
-        b = Request("b", tokens(6, 50), SamplingParams(max_tokens=100), None)
+        a = Request("a", tokens(5, 40), SamplingParams(max_tokens=100), None)  # stopped early (a stop token)
+        b = Request("b", tokens(6, 50), SamplingParams(max_tokens=17), None)  # runs to its max_tokens
+
+        def saved(meta: KVPoolMetadata) -> list[tuple[str, int, int]]:
+            return [(job.req_id, job.start, job.end) for job in meta.saves]
 
         steps.add(a)
-        first = steps.step()  # a's prompt: its 2 full pages
-        assert [(j.req_id, j.start, j.end) for j in first.saves] == [("a", 0, 32)]
-        # a decodes through token 48 (a full third page): no call of its own for it.
-        quiet = [steps.step() for _ in range(10)]
+        assert saved(steps.step()) == [("a", 0, 32)]  # a's prompt: its 2 full pages
+        quiet = [steps.step() for _ in range(10)]  # a decodes through token 48 (a third page): no call for it
         assert a.num_computed_tokens == 50 and not any(m.saves for m in quiet)
         steps.add(b)
-        both = steps.step()  # b's prompt is saved: a's third page rides in the same call
-        assert [(j.req_id, j.start, j.end) for j in both.saves] == [("b", 0, 48), ("a", 32, 48)]
-        quiet = [steps.step() for _ in range(14)]  # a decodes through token 64: nothing saved
-        assert a.num_computed_tokens == 65 and not any(m.saves for m in quiet)
-        assert steps.finish(a)  # its last page waits for a call: vLLM keeps its blocks meanwhile
-        held = steps.step()  # (b still decodes: within FREE_WAIT_S a call of a's save alone waits for company)
-        assert not held.saves and held.finish_held == {"a"} and not held.finish_saved
-        time.sleep(FREE_WAIT_S)
-        last = steps.step()  # once it has waited FREE_WAIT_S: b's fourth page, filled meanwhile, rides along
-        assert [(j.req_id, j.start, j.end) for j in last.saves] == [("b", 48, 64), ("a", 48, 64)]
-        assert last.finish_saved == {"a"} and not last.finish_held
-        assert b.num_computed_tokens == 66 and steps.finish(b)  # (nothing more of b to save; its saves were)
-        final = steps.step()
-        assert not final.saves and not final.finish_saved and not final.finish_held
-        assert not scheduler.has_pending_push_work()  # (the frees went on the thread, not waited for)
+        assert saved(steps.step()) == [("b", 0, 48), ("a", 32, 48)]  # b's prompt, and a's page riding along
+        quiet = [steps.step() for _ in range(15)]
+        assert b.num_computed_tokens == 65 and not any(m.saves for m in quiet)  # (b's fourth page: not yet)
+        # b's last step (its 17th token): what it decoded is saved in it, and a's fourth page rides along.
+        assert saved(steps.step()) == [("b", 48, 64), ("a", 48, 64)] and b.num_output_tokens == 17
+        assert steps.finish(b)  # (its saves are being written: vLLM keeps its blocks until then)
+        nothing = steps.step()
+        assert not nothing.saves and not nothing.finish_saved  # b has nothing left to save
+        quiet = [steps.step() for _ in range(17)]
+        assert a.num_computed_tokens == 85 and not any(m.saves for m in quiet)  # a's fifth page: not yet
+        assert steps.finish(a)  # stopped before its max_tokens: its last page is saved by the next step
+        last = steps.step()
+        assert saved(last) == [("a", 64, 80)] and last.finish_saved == {"a"}
+        assert scheduler.has_pending_push_work()  # a's sequence, released once written: freed by a step call
+        assert not steps.step().saves and not scheduler.has_pending_push_work()  # (freed on the thread)
         thread.run(lambda: None)
 
-        # Five saves in three calls: one per step with a prompt, one for a's last page (and the frees).
+        # Six saves in four calls: a's prompt, b's prompt, b's last step, a's finish (and the frees).
         made = calls(server)
         appends = made["POST /v1/step"] + made["POST /v1/sequences/{seq_id}/append"] - link.stats["free_calls"]
-        assert (link.stats["saves"], appends, made["POST /v1/sequences"]) == (5, 3, 2), (made, link.stats)
-        with KVPoolClient(server.url) as client:  # kvpool holds a's 64 tokens and b's 64
-            assert client.create_sequence("check-a", a.all_token_ids[:65]).cached_tokens == 64
+        assert (link.stats["saves"], appends, made["POST /v1/sequences"]) == (6, 4, 2), (made, link.stats)
+        with KVPoolClient(server.url) as client:  # kvpool holds a's 80 tokens and b's 64
+            assert client.create_sequence("check-a", a.all_token_ids[:81]).cached_tokens == 80
             assert client.create_sequence("check-b", b.all_token_ids[:65]).cached_tokens == 64
             client.free("check-a")
             client.free("check-b")
