@@ -128,7 +128,9 @@ def test_a_late_body_is_answered_408_and_closed(protocol: str) -> None:
 def test_over_the_cap_the_oldest_idle_connection_makes_room(protocol: str) -> None:
     with serving(protocol, max_connections=3) as (port, limits):
         with connect(port) as first, connect(port) as second, connect(port) as third:
-            time.sleep(0.05)
+            deadline = time.monotonic() + 5  # (all three accepted, in order: under load it can take a while)
+            while len(limits.open) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
             with connect(port) as new:
                 new.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert answer(new).startswith(b"HTTP/1.1 200 ")
