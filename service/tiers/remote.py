@@ -104,7 +104,7 @@ class RemoteStore:
     @property
     def counts_on_loop(self) -> bool:
         """Whether count_on_loop can count (one node, read by our reader); else count(), blocking."""
-        return self.loop_reader is not None and isinstance(self.reader, RespConnection)
+        return self.loop_reader is not None
 
     def count(self, hashes: list[bytes]) -> int:
         """How many of the pages `hashes`, from the first, the store holds (pipelined EXISTS in batches
