@@ -18,8 +18,7 @@ step's prompt saves, or finished requests' saves) until the step that samples it
 (max_tokens), which saves them; a request that stops otherwise (a stop token or string) has what is left saved
 in the step after it finishes (vLLM keeps its blocks until they are written). A decoding request thus makes
 at most one call of its own, whatever its length, where it made one per page it filled. The scheduler appends
-those pages
-itself, all of a step's in one call (vllm_saves): to the request's pin, to the sequence of its earlier saves
+those pages itself, all of a step's in one call (vllm_saves): to the request's pin, to the sequence of its earlier saves
 once every rank has written those, or else to a sequence created from its token ids (what kvpool holds already
 is matched, not copied), so that every rank writes into the same pages: each rank its own KV heads (and
 layers), vllm_worker. Each rank reports each save written or failed (KVPoolWorkerMeta, summed over the ranks
