@@ -14,10 +14,13 @@ most prompts; count_on_loop() asks the same on the event loop, over service.tier
 node is read by our reader), the restore allocates pool pages for those, and get_into() pipelines GETEX over
 service.tiers.resp, which receives each value's page bytes straight into its pool page (on a CPU pool; a host
 buffer otherwise), its header and checksum into small buffers beside, checked as it arrives; the pages are
-committed only once checked. Counting first is what lets the pages be allocated before the values come
+committed only once checked. get_into_on_loop() does the same on the event loop (one node over redis:// or
+unix://: resp_async.LoopSocket, loop.sock_recv_into straight into the pages); both follow one plan
+(_getting: the batches, what is in flight, what a bad entry stops), as count() and count_on_loop() follow
+_counting. Counting first is what lets the pages be allocated before the values come
 (receiving into them saves a copy of every byte) without allocating, and evicting device pages for, what the
-store does not hold. One connection for the reads on redis://, rediss:// (TLS) and unix:// URLs (and up to
-resp_async.MAX_CONNECTIONS for the counts on the loop), one per node on
+store does not hold. One connection for the blocking reads on redis://, rediss:// (TLS) and unix:// URLs
+(and up to resp_async.MAX_CONNECTIONS each for the counts and the reads on the loop), one per node on
 redis[s]+cluster:// (service.tiers.cluster: routing by slot, why no hash tags, redirects). rediss:// with TLS
 options the reader does not handle (service.remote_url.TLS_OPTIONS) reads through redis-py's pipelines instead
 (slower: its parser copies each value). Each command is bounded by KVPOOL_REMOTE_TIMEOUT_S, no retries: a
@@ -27,6 +30,7 @@ any Valkey.
 
 import threading
 from collections.abc import Generator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import redis
@@ -53,6 +57,12 @@ IN_FLIGHT = 2  # batches sent ahead of the replies being read
 # tokens (page size 16) in one round trip. Each EXISTS costs the store microseconds; each round trip, under load,
 # a wait for a core on both sides (a QA history of ~60 pages took two at 32).
 COUNT_BATCH = 128
+
+
+class Send(NamedTuple):
+    """A step of RemoteStore._getting: send GETEX key EX ttl for each of `keys`, in one write."""
+
+    keys: list[bytes]
 
 
 def read_batch(page_nbytes: int) -> int:
@@ -154,20 +164,69 @@ class RemoteStore:
         self.reader.send_keyed(b"EXISTS", keys)
         return [self.reader.read_int() for _ in keys]
 
+    @property
+    def reads_on_loop(self) -> bool:
+        """Whether get_into_on_loop can read (one node over plain TCP or a unix socket, read by our
+        reader); else get_into(), blocking, on the read thread (TLS, a cluster, redis-py)."""
+        return self.loop_reader is not None and self.loop_reader.reads_on_loop
+
     def get_into(self, hashes: list[bytes], tokens: list[bytes], pages: Sequence[Sequence[memoryview]]) -> int:
         """The entries of `hashes` (token bytes `tokens`), each page's bytes received into `pages[i]`
         (its parts in turn: a pool page's K/V then its scales), each checked as it arrives; returns how
         many, from the first, are intact. What lies in the pages after those is garbage: never to be
         used. Pipelined GETEXs in batches (read_batch()), the next batch sent before the replies to
-        the current one are read (two in flight), no batch sent after the first bad entry; on the
-        caller's thread, not the loop. Each read refreshes the TTL of what it finds. Raises the
-        client's errors (OSError, redis or RESP errors)."""
+        the current one are read (two in flight), no batch sent after the first bad entry (_getting);
+        blocking, on the caller's thread (the read thread), not the loop. Each read refreshes the TTL
+        of what it finds. Raises the client's errors (OSError, redis or RESP errors)."""
         hashes = hashes[: len(pages)]
         if not hashes:
             return 0
         if self.reader is None:
             return self._get_into_redispy(hashes, tokens, pages)
         reader = self.reader
+        plan = self._getting(hashes, tokens, pages)
+        try:
+            step = next(plan)
+            while True:
+                if isinstance(step, Send):
+                    reader.send_getex(step.keys, self.ttl_s)
+                    step = plan.send(0)
+                else:
+                    step = plan.send(reader.read_value(step))
+        except StopIteration as done:
+            return int(done.value)
+
+    async def get_into_on_loop(
+        self, hashes: list[bytes], tokens: list[bytes], pages: Sequence[Sequence[memoryview]]
+    ) -> int:
+        """get_into() on the running loop (reads_on_loop), over a non-blocking socket of
+        service.tiers.resp_async's LoopReader: each value received straight into its page with
+        loop.sock_recv_into, each op bounded by the timeout; any failure closes that socket and raises."""
+        assert self.loop_reader is not None and self.loop_reader.reads_on_loop
+        hashes = hashes[: len(pages)]
+        if not hashes:
+            return 0
+        plan = self._getting(hashes, tokens, pages)
+        async with self.loop_reader.socket() as conn:
+            try:
+                step = next(plan)
+                while True:
+                    if isinstance(step, Send):
+                        await conn.send_getex(step.keys, self.ttl_s)
+                        step = plan.send(0)
+                    else:
+                        step = plan.send(await conn.read_value(step))
+            except StopIteration as done:
+                return int(done.value)
+
+    def _getting(
+        self, hashes: list[bytes], tokens: list[bytes], pages: Sequence[Sequence[memoryview]]
+    ) -> Generator["Send | list[memoryview]", int, int]:
+        """get_into's batches and what their replies mean, once for both drivers: yields Send(keys) for
+        each batch of GETEXs to send (sent back 0), and the buffers each next value is to be received
+        into (sent back its size, or MISSING, REDIRECTED, WRONG_TYPE); returns how many are intact.
+        Values after a bad one are read off into scratch (the stream left clean); counts rejected
+        entries and redirects in stats."""
         header = bytearray(self.entries.header_nbytes(hashes[0], tokens[0]))
         checksum = bytearray(self.entries.seal.tag_nbytes)
         value_nbytes = len(header) + self.page_nbytes + len(checksum)
@@ -179,14 +238,14 @@ class RemoteStore:
         for k, start in enumerate(batches):
             while intact and sent < min(k + IN_FLIGHT, len(batches)):
                 keys = self._keys(hashes[batches[sent] : batches[sent] + batch])
-                reader.send_getex([key.encode() for key in keys], self.ttl_s)
+                yield Send([key.encode() for key in keys])
                 sent += 1
             if k >= sent:
                 break
             redirected = False
             for i in range(start, min(start + batch, len(hashes))):
                 parts = [memoryview(header), *pages[i], memoryview(checksum)] if intact else scratch
-                n = reader.read_value(parts)
+                n = yield parts
                 redirected |= n == REDIRECTED
                 if intact:  # checked as it arrives, while it is in the cache
                     intact = n == value_nbytes and self.entries.intact(header, pages[i], checksum, hashes[i], tokens[i])

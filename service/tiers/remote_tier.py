@@ -8,9 +8,11 @@ write that committed them, submitted first) and sends them from a thread (Remote
 Lookups (lookup()) count what the store holds on the loop, over asyncio streams (RemoteStore.count_on_loop:
 a few hundred bytes each way, where a hop to a thread and back cost more than the round trip under load),
 or on a cluster, or through redis-py, on the read thread (RemoteStore.count). Reads (load_into()) receive
-the pages on the read thread (RemoteStore.get_into: blocking recv_into straight into the pages), so a
-slow store never blocks the loop. A failure is counted, logged once per incident, and the tier is
-skipped for a second (Incident).
+the pages on the loop too over redis:// and unix:// (RemoteStore.get_into_on_loop: recv_into on a
+non-blocking socket straight into the pages, waiting for the store without blocking the loop, each wait
+bounded by the timeout), else on the read thread (RemoteStore.get_into: blocking recv_into straight into
+the pages; TLS, a cluster, redis-py), so a slow store never blocks the loop. A failure is counted, logged
+once per incident, and the tier is skipped for a second (Incident).
 """
 
 import asyncio
@@ -169,6 +171,11 @@ class RemoteTier:
         return got
 
     async def _get_into(self, hashes: list[bytes], tokens: list[bytes], into: list[list[memoryview]]) -> int:
+        """The page reads: on the loop (plain TCP or a unix socket: one wake-up per reply that is not
+        there yet, where the read thread cost three hops), else on the read thread (TLS, a cluster,
+        redis-py)."""
+        if self.store.reads_on_loop:
+            return await self.store.get_into_on_loop(hashes, tokens, into)
         return await asyncio.get_running_loop().run_in_executor(self._read, self.store.get_into, hashes, tokens, into)
 
     def _staging_rows(self, num: int) -> np.ndarray:

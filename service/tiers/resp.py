@@ -7,6 +7,11 @@ EXISTS (read_int) counts what a restore will read before it allocates pages for 
 node's count runs on the event loop, service.tiers.resp_async, with this module's encode, greeting and
 parse_int).
 
+One parser, two drivers: RespParser reads replies sans I/O (each reading a generator that yields the
+memoryview to receive into next and is sent the byte count), driven here by RespConnection's blocking
+sock.recv_into (the read thread: TLS, a cluster's nodes) and by resp_async.LoopSocket's
+loop.sock_recv_into on a non-blocking socket (the event loop: one node over plain TCP or a unix socket).
+
 GETEX key EX ttl rather than MGET: it refreshes the entry's TTL in the same round trip (a hot prefix
 never ages out), it needs no two keys in one hash slot (Redis Cluster, service.tiers.cluster), and for
 pages of 100 KiB and more it is as fast as MGET (measured: docs/benchmarks.md, "Figures behind the code").
@@ -24,12 +29,16 @@ elsewhere now) is no failure of the stream: it is reported as REDIRECTED for tha
 import inspect
 import socket
 import ssl
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from redis.connection import SSLConnection, parse_url
 
 from service.remote_url import TLS_OPTIONS
+
+T = TypeVar("T")
+# A reading of RespParser: yields where to receive next, is sent how many bytes came, returns what it read.
+Receive = Generator[memoryview, int, T]
 
 LINE_BUF = 1 << 16
 RECV_BUF = 8 << 20
@@ -106,9 +115,7 @@ class RespConnection:
         self.username, self.password, self.db = username, password, db
         self.timeout = timeout
         self.sock: socket.socket | None = None
-        self.buf = bytearray(LINE_BUF)
-        self.view = memoryview(self.buf)
-        self.start = self.end = 0
+        self.parser = RespParser()
 
     @classmethod
     def from_url(cls, url: str, timeout: float) -> "RespConnection":
@@ -152,7 +159,8 @@ class RespConnection:
                     raise
         # Room for the replies sent ahead while the current ones are checked (capped by net.core.rmem_max).
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUF)
-        self.sock, self.start, self.end = sock, 0, 0
+        self.sock = sock
+        self.parser.reset()
         try:
             for args in self.greeting():
                 self._expect_ok(args)
@@ -200,73 +208,27 @@ class RespConnection:
         self.send([args])
         check_ok(args, self._line())
 
-    # -- reading ----------------------------------------------------------------------------------
-    def _fill(self) -> None:
+    def _receive(self, gen: "Receive[T]") -> T:
+        """Drive the parser's reading `gen` with blocking recv_into (bounded by the socket's timeout)."""
         assert self.sock is not None
-        if self.start == self.end:
-            self.start = self.end = 0
-        elif self.end == len(self.buf):  # compact: the line so far to the front
-            n = self.end - self.start
-            self.buf[:n] = self.buf[self.start : self.end]
-            self.start, self.end = 0, n
-            if n == len(self.buf):
-                raise RespError("reply line too long")
-        got = self.sock.recv_into(self.view[self.end :])
-        if not got:
-            raise ConnectionError("the store closed the connection")
-        self.end += got
+        recv_into = self.sock.recv_into
+        try:
+            want = next(gen)
+            while True:
+                want = gen.send(recv_into(want))
+        except StopIteration as done:
+            return done.value
 
     def _line(self) -> bytes:
-        while True:
-            i = self.buf.find(b"\r\n", self.start, self.end)
-            if i >= 0:
-                line = bytes(self.buf[self.start : i])
-                self.start = i + 2
-                return line
-            self._fill()
+        return self._receive(self.parser.line())
 
-    def _read_into(self, out: memoryview) -> None:
-        """len(out) bytes of the stream into out: what is buffered, then straight from the socket."""
-        assert self.sock is not None
-        n = min(len(out), self.end - self.start)
-        out[:n] = self.view[self.start : self.start + n]
-        self.start += n
-        while n < len(out):
-            got = self.sock.recv_into(out[n:])
-            if not got:
-                raise ConnectionError("the store closed the connection")
-            n += got
-
-    def _bulk_end(self) -> None:
-        if self._line() != b"":
-            raise RespError("a value did not end where its length said")
-
+    # -- reading ----------------------------------------------------------------------------------
     def read_value(self, into: Sequence[memoryview]) -> int:
-        """The next reply, a value: straight into the writable buffers `into`, filled in turn, when its
-        size is what they hold together (a value of another size, empty included, is read off into a
-        scratch buffer). Returns its size, or MISSING (no such key), REDIRECTED (-MOVED/-ASK: the key's
-        slot is on another node) or WRONG_TYPE (-WRONGTYPE: the key is no string); the stream stays
-        usable after each of these."""
+        """The next reply, a value (RespParser.value): straight into the writable buffers `into`, filled
+        in turn, when its size is what they hold together. Returns its size, or MISSING, REDIRECTED or
+        WRONG_TYPE; any failure closes the connection and raises."""
         try:
-            line = self._line()
-            if line[:1] != b"$":
-                if line.startswith((b"-MOVED ", b"-ASK ")):
-                    return REDIRECTED
-                if line.startswith(b"-WRONGTYPE"):
-                    return WRONG_TYPE
-                raise RespError(f"GETEX: {line[:200]!r}")
-            size = int(line[1:])
-            if size < 0:
-                return MISSING
-            if size == sum(len(part) for part in into):
-                for part in into:
-                    self._read_into(part)
-            else:
-                scratch = memoryview(bytearray(max(1, min(size, LINE_BUF))))
-                for start in range(0, size, len(scratch)):
-                    self._read_into(scratch[: min(len(scratch), size - start)])
-            self._bulk_end()
-            return size
+            return self._receive(self.parser.value(into))
         except BaseException:
             self.close()
             raise
@@ -284,13 +246,98 @@ class RespConnection:
         (CLUSTER SLOTS); raises RespError on an error reply."""
         self.send([args])
         try:
-            return self._reply()
+            return self._receive(self.parser.reply())
         except BaseException:
             self.close()
             raise
 
-    def _reply(self) -> Any:
-        line = self._line()
+
+class RespParser:
+    """The reading of RESP replies, sans I/O, for both connections: the blocking RespConnection (each
+    receive a recv_into on its socket) and the event loop's LoopSocket (service.tiers.resp_async:
+    loop.sock_recv_into on a non-blocking socket). Each reading is a generator that yields the
+    memoryview to receive into next (the line buffer, or straight the caller's buffer: no copy) and is
+    sent how many bytes came (0: the store closed the stream); it returns what it read. Lines come
+    through a buffer of LINE_BUF bytes; values of the expected size go past it, straight where they
+    are to stay."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(LINE_BUF)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+
+    def reset(self) -> None:
+        """Nothing buffered (a fresh connection)."""
+        self.start = self.end = 0
+
+    def _fill(self) -> "Receive[None]":
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):  # compact: the line so far to the front
+            n = self.end - self.start
+            self.buf[:n] = self.buf[self.start : self.end]
+            self.start, self.end = 0, n
+            if n == len(self.buf):
+                raise RespError("reply line too long")
+        got = yield self.view[self.end :]
+        if not got:
+            raise ConnectionError("the store closed the connection")
+        self.end += got
+
+    def line(self) -> "Receive[bytes]":
+        """The next line, without its CRLF."""
+        while True:
+            i = self.buf.find(b"\r\n", self.start, self.end)
+            if i >= 0:
+                line = bytes(self.buf[self.start : i])
+                self.start = i + 2
+                return line
+            yield from self._fill()
+
+    def read_into(self, out: memoryview) -> "Receive[None]":
+        """len(out) bytes of the stream into out: what is buffered, then straight from the socket."""
+        n = min(len(out), self.end - self.start)
+        out[:n] = self.view[self.start : self.start + n]
+        self.start += n
+        while n < len(out):
+            got = yield out[n:]
+            if not got:
+                raise ConnectionError("the store closed the connection")
+            n += got
+
+    def _bulk_end(self) -> "Receive[None]":
+        if (yield from self.line()) != b"":
+            raise RespError("a value did not end where its length said")
+
+    def value(self, into: Sequence[memoryview]) -> "Receive[int]":
+        """The next reply, a value: straight into the writable buffers `into`, filled in turn, when its
+        size is what they hold together (a value of another size, empty included, is read off into a
+        scratch buffer). Returns its size, or MISSING (no such key), REDIRECTED (-MOVED/-ASK: the key's
+        slot is on another node) or WRONG_TYPE (-WRONGTYPE: the key is no string); the stream stays
+        usable after each of these (not after an exception: the caller closes it)."""
+        line = yield from self.line()
+        if line[:1] != b"$":
+            if line.startswith((b"-MOVED ", b"-ASK ")):
+                return REDIRECTED
+            if line.startswith(b"-WRONGTYPE"):
+                return WRONG_TYPE
+            raise RespError(f"GETEX: {line[:200]!r}")
+        size = int(line[1:])
+        if size < 0:
+            return MISSING
+        if size == sum(len(part) for part in into):
+            for part in into:
+                yield from self.read_into(part)
+        else:
+            scratch = memoryview(bytearray(max(1, min(size, LINE_BUF))))
+            for start in range(0, size, len(scratch)):
+                yield from self.read_into(scratch[: min(len(scratch), size - start)])
+        yield from self._bulk_end()
+        return size
+
+    def reply(self) -> "Receive[Any]":
+        """The next whole reply (nested lists, ints, bytes); raises RespError on an error reply."""
+        line = yield from self.line()
         kind, rest = line[:1], line[1:]
         if kind == b"+":
             return rest
@@ -299,13 +346,18 @@ class RespConnection:
         if kind == b"-":
             raise RespError(rest[:200].decode(errors="replace"))
         if kind == b"*":
-            return None if int(rest) < 0 else [self._reply() for _ in range(int(rest))]
+            if int(rest) < 0:
+                return None
+            items = []
+            for _ in range(int(rest)):
+                items.append((yield from self.reply()))
+            return items
         if kind == b"$":
             size = int(rest)
             if size < 0:
                 return None
             out = bytearray(size)
-            self._read_into(memoryview(out))
-            self._bulk_end()
+            yield from self.read_into(memoryview(out))
+            yield from self._bulk_end()
             return bytes(out)
         raise RespError(f"unexpected reply: {line[:200]!r}")

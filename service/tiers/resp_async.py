@@ -1,34 +1,54 @@
-"""The remote tier's count (pipelined EXISTS) on the event loop, over asyncio streams.
+"""The remote tier's count (pipelined EXISTS) and page reads (pipelined GETEX) on the event loop.
 
 Why on the loop: a restore's count is a few hundred bytes each way and the loop waits for it. On the
 read thread it cost three wake-ups (the thread gets the job, its blocking recv returns, the loop gets
 the result back), each a wait for a core when the machine is busy (~1.3 ms each, profiled with two
-vLLM engines on 2 cores); on the loop it costs the one wake-up of the reply. The page reads
-(RemoteStore.get_into) stay on the read thread: they receive megabytes straight into pool pages with
-a blocking recv_into, which streams cannot do without a copy.
+vLLM engines on 2 cores); on the loop it costs the one wake-up of the reply. The page reads hop the
+same way, so on one node over plain TCP or a unix socket they run here too (RemoteStore.get_into_on_loop),
+with no copy: LoopSocket receives each value straight into its page, with recv_into on a non-blocking
+socket when the bytes are there and loop.sock_recv_into when they are not (asyncio streams would copy
+every byte through their buffer), its replies parsed by resp.RespParser, the parser the blocking
+RespConnection drives. The price: those receives and the checks of what arrives (the entries' checksum
+or MAC) take the loop's thread, a few hundred microseconds per MiB. Over TLS (an SSL socket cannot be
+read so) and on a cluster the page reads stay on the read thread (RemoteStore.get_into).
 
-A connection is opened as RespConnection opens its socket, from its settings (host and port or a unix
-path, its TLS context, its greeting: AUTH and SELECT), and sends what it sends (resp.encode); replies are
-parsed by resp.parse_int. Each connect and each round trip is bounded by the connection's timeout
-(KVPOOL_REMOTE_TIMEOUT_S). Any failure (refused, a timeout, a reply that is no integer, the stream cut,
-a cancelled caller) closes that connection and raises: the next call opens a new one.
+The count's connections are asyncio streams (plain, unix or TLS); the reads' are sockets of their own,
+never shared with the read thread's RespConnection. Both are opened as RespConnection opens its socket,
+from its settings (host and port or a unix path, its TLS context, its greeting: AUTH and SELECT), and
+send what it sends (resp.encode); integer replies are parsed by resp.parse_int. Each connect and each
+round trip of a count, and each send or receive of a read that has to wait, is bounded by the
+connection's timeout (KVPOOL_REMOTE_TIMEOUT_S). Any failure (refused, a timeout, a reply that is no
+integer, the stream cut, a cancelled caller) closes that connection and raises: the next call opens a
+new one, and no late reply to a failed call is ever read as the answer to another.
 
 A few connections rather than one behind a lock: restores run concurrently (one per POST /v1/sequences
 in flight), and behind a lock each count would wait for the round trips of those before it, where on
 their own connections the round trips overlap (the store answers each in microseconds; the time is in
 the trip, and under load in the wait for a core, which several replies share; measured, 8 restores of
 60 pages in flight on 2 cores: 0.6 ms each on 4 connections, 1.0 ms on one, 1.9 and 3 ms with six busy
-processes beside). At most MAX_CONNECTIONS are open, each kept when its count is done (a count that
-finds them all busy waits for one): a connection costs the store a client slot and a little memory, and
-a burst of restores should not open one each.
+processes beside). At most MAX_CONNECTIONS of each kind are open, each kept when its call is done (a
+call that finds them all busy waits for one): a connection costs the store a client slot and a little
+memory, and a burst of restores should not open one each.
 """
 
 import asyncio
+import contextlib
+import socket
 import sys
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
-from service.tiers.resp import LINE_BUF, RespConnection, RespError, check_ok, encode, parse_int
+from service.tiers.resp import (
+    LINE_BUF,
+    RECV_BUF,
+    Receive,
+    RespConnection,
+    RespError,
+    RespParser,
+    check_ok,
+    encode,
+    parse_int,
+)
 
 MAX_CONNECTIONS = 4
 T = TypeVar("T")
@@ -106,8 +126,115 @@ class LoopConnection:
             self.loop.call_soon_threadsafe(self.writer.close)
 
 
+class LoopSocket:
+    """One non-blocking socket to the store for the page reads (GETEX), used by one caller at a time
+    (LoopReader.socket sees to it) on the loop that opened it, never by the read thread: replies are
+    parsed by resp.RespParser, each receive a recv_into straight into the caller's buffer when the
+    bytes are there, else loop.sock_recv_into (bounded by the timeout). Plain TCP or a unix socket
+    (no TLS: an SSL socket cannot be read so)."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self.sock, self.timeout = sock, timeout
+        self.loop = asyncio.get_running_loop()
+        self.parser = RespParser()
+
+    @classmethod
+    async def open(cls, like: RespConnection) -> "LoopSocket":
+        """Connected and greeted as `like` connects (the same address, socket options and AUTH/SELECT)."""
+        assert like.tls is None, "TLS reads stay on the read thread"
+        loop = asyncio.get_running_loop()
+        if like.path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, like.path)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = await _connect_tcp(loop, like.host, like.port)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUF)
+        conn = cls(sock, like.timeout)
+        try:
+            greeting = like.greeting()
+            if greeting:  # (pipelined: a refused AUTH is seen first; the SELECT after it is not used)
+                await conn.send(encode(greeting))
+                for args in greeting:
+                    check_ok(args, await conn.receive(conn.parser.line()))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def send(self, data: bytes) -> None:
+        """All of `data`: at once if the socket takes it, else on the loop, bounded by the timeout."""
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            await bounded(self.loop.sock_sendall(self.sock, memoryview(data)[sent:]), self.timeout)
+
+    async def send_getex(self, keys: Sequence[bytes], ttl_s: int) -> None:
+        """GETEX key EX ttl_s for each key, in one write (each reply read by read_value)."""
+        ttl = str(ttl_s).encode()
+        await self.send(encode([(b"GETEX", key, b"EX", ttl) for key in keys]))
+
+    async def read_value(self, into: Sequence[memoryview]) -> int:
+        """The next reply, a value, as RespConnection.read_value (resp.RespParser.value)."""
+        return await self.receive(self.parser.value(into))
+
+    async def receive(self, gen: Receive[T]) -> T:
+        """Drive the parser's reading `gen`: each receive at once when the bytes are there (no turn of
+        the loop, no timer), else awaited with loop.sock_recv_into, bounded by the timeout."""
+        sock, loop, timeout = self.sock, self.loop, self.timeout
+        try:
+            want = next(gen)
+            while True:
+                try:
+                    got = sock.recv_into(want)
+                except BlockingIOError:
+                    got = await bounded(loop.sock_recv_into(sock, want), timeout)
+                want = gen.send(got)
+        except StopIteration as done:
+            return done.value
+
+    def shutdown(self) -> None:
+        """Cut the stream (from any thread): a read in progress on it ends, and its caller closes it."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Close the socket: by the caller that uses it, or when no read is in progress on it (an fd
+        closed under a registered reader could be reused by the next socket)."""
+        self.sock.close()
+
+
+async def _connect_tcp(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
+    """A non-blocking TCP socket connected to the first address of host:port that accepts, with
+    TCP_NODELAY (as RespConnection's)."""
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    error: OSError | None = None
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise error or OSError(f"no address for {host}:{port}")
+
+
 class LoopReader:
-    """EXISTS on the running loop over up to MAX_CONNECTIONS connections opened like `like`'s."""
+    """EXISTS on the running loop over up to MAX_CONNECTIONS streams opened like `like`'s, and (plain
+    TCP or unix: reads_on_loop) the page reads over up to MAX_CONNECTIONS non-blocking sockets of
+    their own (socket())."""
 
     def __init__(self, like: RespConnection) -> None:
         self.like, self.timeout = like, like.timeout
@@ -115,6 +242,38 @@ class LoopReader:
         self._open: set[LoopConnection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None
+        self._idle_socks: list[LoopSocket] = []
+        self._open_socks: set[LoopSocket] = set()
+        self._sock_slots: asyncio.Semaphore | None = None
+
+    @property
+    def reads_on_loop(self) -> bool:
+        """Whether socket() can serve the page reads: not over TLS (they stay on the read thread)."""
+        return self.like.tls is None
+
+    @contextlib.asynccontextmanager
+    async def socket(self) -> AsyncIterator[LoopSocket]:
+        """A socket for one caller's reads (opened, bounded by the timeout, or an idle one), kept when
+        the caller is done; closed if anything is raised (a timeout, the store's error, a cancelled
+        caller): its stream may hold replies no one will read."""
+        self._bind()
+        assert self._sock_slots is not None
+        async with self._sock_slots:
+            conn = self._idle_socks.pop() if self._idle_socks else None
+            try:
+                if conn is None:
+                    conn = await bounded(LoopSocket.open(self.like), self.timeout)
+                    self._open_socks.add(conn)
+                yield conn
+            except BaseException:
+                if conn is not None:
+                    self._open_socks.discard(conn)
+                    conn.close()
+                raise
+            if conn in self._open_socks:
+                self._idle_socks.append(conn)
+            else:  # close() was called meanwhile: it only cut the stream
+                conn.close()
 
     async def exists(self, keys: Sequence[bytes]) -> list[int]:
         """The replies to EXISTS key for each key; raises what the store or the stream raises (the
@@ -142,10 +301,18 @@ class LoopReader:
         if self._slots is None or self._loop is not loop:
             self.close()
             self._loop, self._slots = loop, asyncio.Semaphore(MAX_CONNECTIONS)
+            self._sock_slots = asyncio.Semaphore(MAX_CONNECTIONS)
         return self._slots
 
     def close(self) -> None:
-        """Close every connection (those in a round trip too: it fails); the next call opens anew."""
+        """Close every connection (those in a round trip too: it fails); the next call opens anew. A
+        socket in a read is only cut (its reader closes it); idle ones are closed."""
         conns, self._open, self._idle = self._open, set(), []
         for conn in conns:
             conn.close()
+        socks, idle, self._open_socks, self._idle_socks = self._open_socks, self._idle_socks, set(), []
+        for sock in socks:
+            if sock in idle:
+                sock.close()
+            else:
+                sock.shutdown()

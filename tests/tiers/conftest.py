@@ -221,3 +221,25 @@ def redis_tls_server(tmp_path: Path) -> Iterator[RedisTLSServer]:
     server = RedisTLSServer(tmp_path)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def redis_unix(tmp_path: Path) -> Iterator[Path]:
+    """A redis-server listening on a unix socket only."""
+    if REDIS_SERVER is None:
+        pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+    path = tmp_path / "redis.sock"
+    args = ["--port", "0", "--unixsocket", str(path), "--unixsocketperm", "700", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen([REDIS_SERVER, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis(unix_socket_path=str(path), socket_timeout=2).ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server (unix socket) did not start in 20 s"
+                time.sleep(0.05)
+        yield path
+    finally:
+        stop(proc, signal.SIGKILL)

@@ -1,33 +1,31 @@
 """The remote tier's count on the event loop (service.tiers.resp_async), against real redis-servers: the
 same leading run as the blocking count across batch boundaries, connections opened as the blocking reader
-opens its own (password and database, TLS, a unix socket) and bounded in number, the count on the loop's
-thread while the page reads stay on the read thread, and a store that dies or stops answering fails the
+opens its own (password and database, TLS, a unix socket) and bounded in number, the count and the page
+reads on the loop's thread, and a store that dies or stops answering fails the
 lookup (counted, nothing found) and is reconnected to on a later call, no stale reply read."""
 
 import asyncio
 import concurrent.futures
 import signal
 import ssl
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from benchmarks.processes import stop
 from service.config import Settings
 from service.core.hashing import root_hash, token_bytes
 from service.pool import PoolState
 from service.tiers.entries import EntryFormat
 from service.tiers.remote import COUNT_BATCH, RemoteStore
-from service.tiers.resp import RespError
-from service.tiers.resp_async import MAX_CONNECTIONS
+from service.tiers.resp import RespConnection, RespError
+from service.tiers.resp_async import MAX_CONNECTIONS, LoopSocket
 from service.tiers.tier import PromptChain
-from tests.tiers.conftest import REDIS_SERVER, RedisServer, RedisTLSServer
+from tests.tiers.conftest import RedisServer, RedisTLSServer
 from tests.tiers.helpers import prompt, remote_tier
 from tests.tiers.test_ordering import SMALL
 from tests.tiers.test_remote_restore import make_state, written_then_evicted
@@ -101,28 +99,6 @@ def test_tls_with_the_readers_context(redis_tls_server: RedisTLSServer) -> None:
         counts(redis_tls_server.url.split("?")[0], [b"a"])
 
 
-@pytest.fixture
-def redis_unix(tmp_path: Path) -> Iterator[Path]:
-    """A redis-server listening on a unix socket only."""
-    if REDIS_SERVER is None:
-        pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does)")
-    path = tmp_path / "redis.sock"
-    args = ["--port", "0", "--unixsocket", str(path), "--unixsocketperm", "700", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen([REDIS_SERVER, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                redis.Redis(unix_socket_path=str(path), socket_timeout=2).ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server (unix socket) did not start in 20 s"
-                time.sleep(0.05)
-        yield path
-    finally:
-        stop(proc, signal.SIGKILL)
-
-
 def test_a_unix_socket(redis_unix: Path) -> None:
     redis.Redis(unix_socket_path=str(redis_unix), db=2).mset({"a": b"1"})
     assert counts(f"unix://{redis_unix}?db=2", [b"a", b"b"]) == 1
@@ -140,7 +116,10 @@ class RecordingExecutor(concurrent.futures.ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
-def test_the_count_runs_on_the_loop_and_the_page_reads_on_the_read_thread(redis_server: RedisServer) -> None:
+def test_the_count_and_the_page_reads_run_on_the_loop(redis_server: RedisServer, monkeypatch: Any) -> None:
+    """Plain TCP: the count and the page reads on the loop's thread; the read thread is not used (and the
+    blocking reader never connects: the loop's sockets are its own)."""
+
     async def scenario() -> None:
         state = make_state(redis_server)
         try:
@@ -149,17 +128,26 @@ def test_the_count_runs_on_the_loop_and_the_page_reads_on_the_read_thread(redis_
             tier._read.shutdown()
             tier._read = read = RecordingExecutor()
             loop_reader = tier.store.loop_reader
-            assert loop_reader is not None
+            assert loop_reader is not None and tier.store.reads_on_loop
             exists, threads = loop_reader.exists, []
 
             async def noted(keys: Any) -> list[int]:
                 threads.append(threading.get_ident())
                 return await exists(keys)
 
+            receive, receives = LoopSocket.receive, []
+
+            async def noted_receive(self: LoopSocket, gen: Any) -> Any:
+                receives.append(threading.get_ident())
+                return await receive(self, gen)
+
             loop_reader.exists = noted  # type: ignore[method-assign]
+            monkeypatch.setattr(LoopSocket, "receive", noted_receive)
             await state.cache.restore([*prompt(1), 7], "", "")
             assert threads == [threading.get_ident()]  # one batch, asked on the loop's thread
-            assert read.ran == ["get_into"]  # the read thread had the page reads only
+            assert receives == [threading.get_ident()] * 4  # each page's value received on the loop's thread
+            assert read.ran == []  # nothing on the read thread
+            assert isinstance(tier.store.reader, RespConnection) and tier.store.reader.sock is None
             assert tier.stats.hits == 4 and tier.stats.errors == 0
             assert state.sequences.create("a2", [*prompt(1), 7]).cached_tokens == 16
         finally:

@@ -73,14 +73,20 @@ def test_the_store_killed_between_count_and_read_commits_nothing(redis_server: R
         try:
             await written_then_evicted(state, redis_server)
             store = remote_tier(state).store
-            read = store.get_into
+            read, read_on_loop = store.get_into, store.get_into_on_loop
 
             def killed_first(*args: Any) -> int:  # the store dies after answering EXISTS
                 redis_server.stop()
                 return read(*args)
 
+            async def killed_first_on_loop(*args: Any) -> int:  # (the reads on the loop: redis://)
+                redis_server.stop()
+                return await read_on_loop(*args)
+
             store.get_into = killed_first  # type: ignore[method-assign,assignment]
+            store.get_into_on_loop = killed_first_on_loop  # type: ignore[method-assign,assignment]
             await state.cache.restore([*prompt(1), 7], "", "")
+            assert redis_server.proc is None  # (killed by one or the other)
             a = state.allocator
             assert (a.num_used, a.num_cached, a.num_free) == (0, 0, 8)  # as it was
             assert all(a.page_name(p) is None for p in range(8))
