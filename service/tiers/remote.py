@@ -28,6 +28,7 @@ failure is counted, the tier skipped for a second, and the next call reconnects.
 any Valkey.
 """
 
+import asyncio
 import threading
 from collections.abc import Generator, Sequence
 from typing import NamedTuple
@@ -213,6 +214,9 @@ class RemoteStore:
                 while True:
                     if isinstance(step, Send):
                         await conn.send_getex(step.keys, self.ttl_s)
+                        # A turn for the loop's other work: while the store keeps the bytes coming, receiving
+                        # and checking values never yields, so a long restore holds the loop a batch at a time.
+                        await asyncio.sleep(0)
                         step = plan.send(0)
                     else:
                         step = plan.send(await conn.read_value(step))
