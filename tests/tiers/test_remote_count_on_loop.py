@@ -6,11 +6,13 @@ lookup (counted, nothing found) and is reconnected to on a later call, no stale 
 
 import asyncio
 import concurrent.futures
+import contextlib
 import signal
 import ssl
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,28 @@ def chain_of(i: int) -> PromptChain:
     return PromptChain(root_hash(""), token_bytes(prompt(i)), 4 * 8)
 
 
+@contextlib.contextmanager
+def timing_out_tier(redis_server: RedisServer) -> Iterator[tuple[Any, PromptChain, "subprocess.Popen[bytes]"]]:
+    """The remote tier of a pool on `redis_server` whose operations time out after 0.3 s, a chain of 4 pages,
+    and the store's process (to stop it: stopped())."""
+    assert redis_server.proc is not None
+    state = PoolState(Settings(**SMALL, remote_url=redis_server.url, remote_timeout_s=0.3))
+    try:
+        yield remote_tier(state), chain_of(1), redis_server.proc
+    finally:
+        state.close()
+
+
+@contextlib.contextmanager
+def stopped(proc: "subprocess.Popen[bytes]") -> Iterator[None]:
+    """The store stopped (SIGSTOP: connected, never answering) until the block ends."""
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
 async def until_usable(tier: Any) -> None:
     deadline = time.monotonic() + 5
     while not tier.incident.usable():  # (a failed tier is skipped for a second)
@@ -195,26 +219,18 @@ def test_a_store_that_stops_answering_times_the_count_out_and_no_stale_reply_is_
     redis_server: RedisServer,
 ) -> None:
     async def scenario() -> None:
-        state = PoolState(Settings(**SMALL, remote_url=redis_server.url, remote_timeout_s=0.3))
-        assert redis_server.proc is not None
-        try:
-            tier, chain = remote_tier(state), chain_of(1)
+        with timing_out_tier(redis_server) as (tier, chain, proc):
             keys = [tier.store.entries.key(h) for h in chain.hashes(4)]
             redis_server.client().mset(dict.fromkeys(keys, b"x"))
             assert len(await tier.lookup(chain, 0, 4)) == 4
-            redis_server.proc.send_signal(signal.SIGSTOP)
-            try:
+            with stopped(proc):
                 began = time.monotonic()
                 assert await tier.lookup(chain, 0, 4) == []  # its EXISTS sent, no reply in time
                 assert 0.25 < time.monotonic() - began < 2
                 assert tier.stats.errors == 1 and tier.incident.down
-            finally:
-                redis_server.proc.send_signal(signal.SIGCONT)
             redis_server.client().delete(keys[1])  # (the late replies to the timed-out count said 4)
             await until_usable(tier)
             assert len(await tier.lookup(chain, 0, 4)) == 1
             assert tier.stats.errors == 1 and not tier.incident.down
-        finally:
-            state.close()
 
     asyncio.run(scenario())

@@ -14,15 +14,11 @@ from typing import Any
 import pytest
 import redis
 
-from service.config import Settings
-from service.pool import PoolState
 from service.tiers.entries import EntryFormat
 from service.tiers.remote import RemoteStore, read_batch
 from service.tiers.resp_async import MAX_CONNECTIONS
 from tests.tiers.conftest import RedisServer, RedisTLSServer
-from tests.tiers.helpers import remote_tier
-from tests.tiers.test_ordering import SMALL
-from tests.tiers.test_remote_count_on_loop import chain_of, until_usable
+from tests.tiers.test_remote_count_on_loop import stopped, timing_out_tier, until_usable
 
 ENTRIES = "L2.H2.D16.P4.float32"
 PAGE = 1024
@@ -155,10 +151,7 @@ def test_a_store_that_stops_answering_times_the_read_out_and_the_next_reads_fres
     redis_server: RedisServer,
 ) -> None:
     async def scenario() -> None:
-        state = PoolState(Settings(**SMALL, remote_url=redis_server.url, remote_timeout_s=0.3))
-        assert redis_server.proc is not None
-        try:
-            tier, chain = remote_tier(state), chain_of(1)
+        with timing_out_tier(redis_server) as (tier, chain, proc):
             assert tier.codec.on_host and tier.store.reads_on_loop
             entries, size = tier.store.entries, tier.codec.page_nbytes
             hashes = chain.hashes(4)
@@ -168,22 +161,17 @@ def test_a_store_that_stops_answering_times_the_read_out_and_the_next_reads_fres
             found = await tier.lookup(chain, 0, 4)
             assert len(found) == 4
             assert await tier.load_into(found, [0, 1, 2, 3]) == 4  # (a socket opened and kept)
-            redis_server.proc.send_signal(signal.SIGSTOP)
-            try:
+            with stopped(proc):
                 began = time.monotonic()
                 assert await tier.load_into(found, [0, 1, 2, 3]) == 0  # its GETEXs sent, no reply in time
                 assert 0.25 < time.monotonic() - began < 2
                 assert tier.stats.errors == 1 and tier.incident.down
                 assert tier.store.loop_reader is not None and not tier.store.loop_reader._open_socks  # closed
-            finally:
-                redis_server.proc.send_signal(signal.SIGCONT)
             redis_server.client().delete(keys[1])  # (the late replies to the timed-out read held all 4)
             await until_usable(tier)
             assert await tier.load_into(found, [0, 1, 2, 3]) == 1
             assert tier.stats.errors == 1 and not tier.incident.down and tier.stats.hits == 5
             assert bytes(tier.codec.host_views(0)[0][:4]) == bytes([1]) * 4
-        finally:
-            state.close()
 
     asyncio.run(scenario())
 
