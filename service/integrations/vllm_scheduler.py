@@ -217,7 +217,7 @@ class KVPoolConnectorScheduler:
             block_ids[req_id] = blocks[: -(-end // self._block_size)]
             planned.append((req_id, end, self._base(req_id, held)))
 
-        decoded: list[tuple[str, int, list[int]]] = []  # pages filled by decoding: saved with a call made anyway
+        decoded: list[tuple[str, int]] = []  # pages filled by decoding: saved with a call made anyway
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None or manager is None:
@@ -229,20 +229,20 @@ class KVPoolConnectorScheduler:
             end = computed // page_size * page_size
             if end <= self._saved.get(req_id, 0):
                 continue
-            blocks = list(manager.get_block_ids(req_id)[0])
             # (the step that samples its last token by length saves what it decoded: nothing is left at its finish)
             final = len(request.output_token_ids) + num_new >= request.max_tokens
             if request.num_computed_tokens >= request.num_prompt_tokens and not final:
-                decoded.append((req_id, end, blocks))
+                decoded.append((req_id, end))  # (its block ids only if it goes: most steps it waits)
                 continue
             self._saved[req_id] = end
-            plan(req_id, end, blocks)
+            plan(req_id, end, list(manager.get_block_ids(req_id)[0]))
         finishing, self._finishing = self._finishing, {}
         meta.finish_saved = set(finishing)
         if planned or finishing:
-            for req_id, end, blocks in decoded:
+            for req_id, end in decoded:
+                assert manager is not None  # (decoded only with one)
                 self._saved[req_id] = end
-                plan(req_id, end, blocks)
+                plan(req_id, end, list(manager.get_block_ids(req_id)[0]))
             for req_id, last in finishing.items():
                 plan(req_id, last.end, last.block_ids)
         if not planned:

@@ -11,8 +11,8 @@ step's saves are queued on the connector's thread and the step goes on: each wri
 pages the scheduler appended, into the pool of the server that appended them. Every save is reported
 written or failed to the scheduler (build_connector_worker_meta), which commits the pages once every rank
 has written them. get_finished reports the finished requests whose saves are done (a finished request whose
-last pages the next step saves, once those are: KVPoolMetadata.finish_saved);
-handle_preemptions lets the saves of preempted requests finish first.
+last pages the next step saves, once those are: KVPoolMetadata.finish_saved); handle_preemptions lets the
+saves of preempted requests finish first.
 """
 
 import logging
