@@ -32,7 +32,7 @@ from service.cli import free_port
 from service.config import Settings
 from service.pool import PoolState
 from service.tiers.disk import DiskTier
-from service.tiers.remote_tier import RemoteTier
+from service.tiers.remote_tier import WRITE_BATCH_BYTES, RemoteTier
 
 # Prefill of the vLLM benchmark's model on this machine (docs/benchmarks-history.md, "vLLM with kvpool's KV connector":
 # cold TTFT of 2,048 tokens 342-363 ms on an idle machine); linear in the prompt length at this size.
@@ -226,6 +226,43 @@ async def mac_cost(
         for state in states:
             state.close()
         store.flush()
+
+
+def write_cost(a: argparse.Namespace, url: str, page_nbytes: int) -> dict[str, float]:
+    """What writing a prefix's pages to the store costs the write thread: RemoteStore.put over kvpool's own
+    connection (each value sent from its gathered row) against the same put through redis-py's pipeline
+    (the path clusters take; the only one until session 18), in the tier's batches (WRITE_BATCH_BYTES),
+    on the same store, alternating which goes
+    first, a.repeat * 4 puts each after one untimed pair, each under its own keys. Returns the medians of
+    each's wall and CPU time (this thread: the put runs on the caller's) per page, in ms."""
+    from service.tiers.entries import EntryFormat
+    from service.tiers.remote import RemoteStore
+
+    num, batch = a.prefix // a.page_size, max(1, WRITE_BATCH_BYTES // page_nbytes)
+    data = np.random.default_rng(0).integers(0, 256, (num, page_nbytes), dtype=np.uint8)
+    tokens = [os.urandom(8 * a.page_size) for _ in range(num)]
+    stores = {"own": RemoteStore(url, 10.0, 600, EntryFormat("bench-writes"), page_nbytes)}
+    stores["redis-py"] = RemoteStore(url, 10.0, 600, EntryFormat("bench-writes"), page_nbytes)
+    stores["redis-py"].writer = None
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
+    try:
+        for i in range(a.repeat * 4 + 1):
+            for name in list(stores)[:: 1 if i % 2 else -1]:
+                hashes = [os.urandom(32) for _ in range(num)]
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                for first in range(0, num, batch):  # (in the tier's batches)
+                    end = first + batch
+                    stores[name].put(hashes[first:end], tokens[first:end], data[first:end])
+                if i:
+                    times[name].append((time.perf_counter() - start, time.thread_time() - start_cpu))
+    finally:
+        for store in stores.values():
+            store.close()
+    out = {}
+    for name, pairs in times.items():
+        out[f"{name}_wall_ms_per_page"] = statistics.median(w for w, _ in pairs) * 1e3 / num
+        out[f"{name}_cpu_ms_per_page"] = statistics.median(c for _, c in pairs) * 1e3 / num
+    return out
 
 
 async def hit_rate(a: argparse.Namespace, device_pages: int, tiers: dict[str, Any]) -> float:
@@ -422,6 +459,14 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"  alternating): wall time {wall:+.0%}, this process's CPU time {cpu:+.0%} (medians; target <= +10%)"
             )
+        if "remote" in names:
+            writes = write_cost(a, store.url, probe.page_nbytes)
+            result["writes"] = writes
+            store.flush()
+            print(f"\nwrites: a prefix's {pages_per_prefix} pages put to the store, per page (medians, alternating):")
+            for name, label in (("own", "kvpool's connection"), ("redis-py", "redis-py's pipeline")):
+                wall, cpu = writes[f"{name}_wall_ms_per_page"], writes[f"{name}_cpu_ms_per_page"]
+                print(f"  {label:20} {wall:.3f} ms wall, {cpu:.3f} ms CPU of the writing thread")
         if not a.requests:
             return result
         print(f"\nhit rate, {a.requests} uniform draws among {a.prefixes} prefixes (device pool: {a.device_prefixes}):")

@@ -125,8 +125,13 @@ class EntryFormat:
         return len(self.expected(page_hash, token_bytes)) + self.seal.salt_nbytes
 
     def encode(self, page_hash: bytes, token_bytes: bytes, data: Buffer) -> bytes:
+        return b"".join(self.parts(page_hash, token_bytes, data))
+
+    def parts(self, page_hash: bytes, token_bytes: bytes, data: Buffer) -> tuple[bytes, Buffer, bytes]:
+        """The entry of `page_hash` as the three buffers it is made of, header, `data` (the page, not
+        copied) and tag: encode() joins them; a writer sends them as they are."""
         header = self.expected(page_hash, token_bytes) + self.seal.salt()
-        return b"".join((header, data, self.seal.tag(header, [data])))
+        return header, data, self.seal.tag(header, [data])
 
     def intact(
         self, header: Buffer, parts: Sequence[Buffer], tag: Buffer, page_hash: bytes, token_bytes: bytes

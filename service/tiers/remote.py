@@ -8,7 +8,9 @@ Size:  every write sets a TTL (KVPOOL_REMOTE_TTL_S), and every read that finds a
        allkeys-lru, the hard bound. A TTL rather than only LRU, because a hash names a prefix forever:
        a stale entry is never wrong, only useless, and the TTL lets unused geometries and tenants age out.
 
-Writes go through redis-py (a background batch, pipelined SETs; RedisCluster on a cluster). Reads (a lookup
+Writes (a background batch, pipelined SETs) go over a connection of our own (service.tiers.resp, each value
+sent from the gathered page as it lies) wherever one node is read by our reader; else through redis-py
+(RedisCluster on a cluster). Reads (a lookup
 waits on them) go in two steps: count() asks which pages the store holds (pipelined EXISTS, one round trip for
 most prompts; count_on_loop() asks the same on the event loop, over service.tiers.resp_async, wherever one
 node is read by our reader), the restore allocates pool pages for those, and get_into() pipelines GETEX over
@@ -43,7 +45,7 @@ from service.core.tier_index import chain_hashes
 from service.remote_url import is_cluster_url
 from service.tiers.cluster import ClusterReader, cluster_client
 from service.tiers.entries import EntryFormat
-from service.tiers.resp import REDIRECTED, WRONG_TYPE, RespConnection
+from service.tiers.resp import REDIRECTED, WRONG_TYPE, RespConnection, RespError
 from service.tiers.resp_async import LoopReader
 from service.tiers.stats import TierStats
 
@@ -83,8 +85,13 @@ class RemoteStore:
             self.reader = ClusterReader(self.url, self.timeout)
         elif RespConnection.supports(self.url):
             self.reader = RespConnection.from_url(self.url, self.timeout)
-        # count() on the loop (one node): connections of its own, opened as the reader's are.
-        self.loop_reader = LoopReader(self.reader) if isinstance(self.reader, RespConnection) else None
+        # count() and reads on the loop (one node): connections of its own, opened as the reader's are; and
+        # the writes' connection (put, on the write thread).
+        self.loop_reader: LoopReader | None = None
+        self.writer: RespConnection | None = None
+        if isinstance(self.reader, RespConnection):
+            self.loop_reader = LoopReader(self.reader)
+            self.writer = RespConnection.from_url(self.url, self.timeout)
         self._client_lock = threading.Lock()  # the client's creation (both threads use it)
         self.stats = TierStats()
 
@@ -288,14 +295,26 @@ class RemoteStore:
         return [self.entries.key(h) for h in hashes]
 
     def put(self, hashes: list[bytes], token_bytes: list[bytes], data: np.ndarray) -> int:
-        """SET each page with the TTL, pipelined (one round trip); returns bytes sent."""
-        pipe = self.client().pipeline(transaction=False)
-        sent = 0
-        for i, (page_hash, tokens) in enumerate(zip(hashes, token_bytes)):
-            value = self.entries.encode(page_hash, tokens, data[i].data)
-            pipe.set(self.entries.key(page_hash), value, ex=self.ttl_s)
-            sent += len(value)
-        pipe.execute()
+        """SET each page (a row of `data`) with the TTL, pipelined (one round trip); returns bytes sent.
+        Blocking, on the caller's thread (the write thread). One node read by our reader: over a
+        connection of its own (self.writer), each value sent from its row as it lies (no value built,
+        half redis-py's CPU); a cluster or redis-py's reads: redis-py. Raises the client's errors, or
+        RespError for a SET the store refused (the others are written)."""
+        values = [self.entries.parts(h, t, data[i].data) for i, (h, t) in enumerate(zip(hashes, token_bytes))]
+        sent = sum(memoryview(part).nbytes for value in values for part in value)
+        if self.writer is None:
+            pipe = self.client().pipeline(transaction=False)
+            for page_hash, value in zip(hashes, values):
+                pipe.set(self.entries.key(page_hash), b"".join(value), ex=self.ttl_s)
+            pipe.execute()
+            return sent
+        ex = [b"EX"], [str(self.ttl_s).encode()]
+        keys = [key.encode() for key in self._keys(hashes)]
+        self.writer.drop_if_closed()  # (idle since the last batch: the store may have restarted)
+        self.writer.send_parts([([b"SET"], [key], value, *ex) for key, value in zip(keys, values)])
+        refused = [line for line in [self.writer.read_status() for _ in keys] if line is not None]
+        if refused:
+            raise RespError(f"SET: {refused[0][:200]!r} ({len(refused)} of {len(keys)} refused)")
         return sent
 
     def close(self) -> None:
@@ -303,5 +322,7 @@ class RemoteStore:
             self.reader.close()
         if self.loop_reader is not None:
             self.loop_reader.close()
+        if self.writer is not None:
+            self.writer.close()
         if self._client is not None:
             self._client.close()

@@ -4,7 +4,8 @@ Written at commit, not at eviction: a prefix computed here is of use to the othe
 Writes: committed() queues newly computed pages here (bounded: a full queue skips and
 counts). A task on the loop takes batches of about 8 MiB, keeps the pages still registered under
 the same hash (evicted ones are no longer those pages), gathers them through the engine (after the
-write that committed them, submitted first) and sends them from a thread (RemoteStore.put).
+write that committed them, submitted first; on the loop when the engine is idle and the batch small) and
+sends them from a thread (RemoteStore.put: over a connection of its own, each value from its gathered row).
 Lookups (lookup()) count what the store holds on the loop, over asyncio streams (RemoteStore.count_on_loop:
 a few hundred bytes each way, where a hop to a thread and back cost more than the round trip under load),
 or on a cluster, or through redis-py, on the read thread (RemoteStore.count). Reads (load_into()) receive
@@ -103,7 +104,9 @@ class RemoteTier:
                     continue
                 pages, hashes, tokens = [b[0] for b in live], [b[1] for b in live], [b[2] for b in live]
                 try:
-                    data = await self.engine.submit(functools.partial(self._gather, pages))
+                    # (At once, on the loop, when the worker is idle and the batch small: no hop to it.)
+                    small = self.engine.fits_inline(nbytes=len(pages) * self.codec.page_nbytes)
+                    data = await self.engine.submit(functools.partial(self._gather, pages), inline=small)
                     sent = await loop.run_in_executor(self._write, self.store.put, hashes, tokens, data)
                 except Exception as exc:  # the store down or slow: count, skip, go on
                     self.incident.failed(self.stats, exc)

@@ -1,8 +1,8 @@
-"""The remote tier's read path: pipelined GETEX over a plain socket, each value received straight where
-it is to stay (recv_into: a row of an array, or the parts of a pool page with the value's header and
-checksum in small buffers beside), no copy in between. redis-py's Python parser copies every value 3-4
-times through a BytesIO, which capped restores well below what the store can send (docs/benchmarks.md,
-"Figures behind the code").
+"""The remote tier's reads and writes over RESP connections of its own. Reads: pipelined GETEX over a plain
+socket, each value received straight where it is to stay (recv_into: a row of an array, or the parts of a pool
+page with the value's header and checksum in small buffers beside), no copy in between. redis-py's Python
+parser copies every value 3-4 times through a BytesIO, which capped restores well below what the store can
+send (docs/benchmarks.md, "Figures behind the code").
 EXISTS (read_int) counts what a restore will read before it allocates pages for it (on a cluster; one
 node's count runs on the event loop, service.tiers.resp_async, with this module's encode, greeting and
 parse_int).
@@ -17,6 +17,11 @@ never ages out), it needs no two keys in one hash slot (Redis Cluster, service.t
 pages of 100 KiB and more it is as fast as MGET (measured: docs/benchmarks.md, "Figures behind the code").
 Redis >= 6.2 or any Valkey. One batch of keys is one sendall; several batches may be in flight.
 
+Writes (send_parts): pipelined SETs whose values go out from where they lie, a page's header, bytes and tag
+as separate buffers of one sendmsg (joined only for TLS, whose sockets have no sendmsg), each answered +OK
+(read_status). redis-py's pipeline built each value, then packed each command, and cost twice the CPU
+(docs/benchmarks.md, "Figures behind the code").
+
 Values of one expected size only (others are read into a scratch buffer and reported by their size).
 Connection: host/port or a unix path, TLS (rediss://: the ssl_* URL options redis-py takes for the CA,
 client certificate and checks; its defaults, so reads and writes agree), AUTH (user, password) and
@@ -27,6 +32,7 @@ elsewhere now) is no failure of the stream: it is reported as REDIRECTED for tha
 """
 
 import inspect
+import select
 import socket
 import ssl
 from collections.abc import Generator, Mapping, Sequence
@@ -37,6 +43,7 @@ from redis.connection import SSLConnection, parse_url
 from service.remote_url import TLS_OPTIONS
 
 T = TypeVar("T")
+Buffer = bytes | bytearray | memoryview
 # A reading of RespParser: yields where to receive next, is sent how many bytes came, returns what it read.
 Receive = Generator[memoryview, int, T]
 
@@ -45,6 +52,9 @@ RECV_BUF = 8 << 20
 # Sizes read_value returns besides a value's length: no such key; the key's slot is on another node
 # (-MOVED/-ASK); the key holds another type (-WRONGTYPE: a list, say): a bad entry, not a failed store.
 MISSING, REDIRECTED, WRONG_TYPE = -1, -2, -3
+# An argument's part this large goes out from where it lies (send_parts); smaller ones are copied into the
+# command's other bytes. IOV_MAX: buffers per sendmsg (Linux's UIO_MAXIOV).
+BIG_PART, IOV_MAX = 1 << 12, 1024
 
 
 _SSL_DEFAULTS = inspect.signature(SSLConnection.__init__).parameters
@@ -81,6 +91,43 @@ def encode(commands: Sequence[Sequence[bytes]]) -> bytes:
         for a in args:
             parts.append(b"$%d\r\n%s\r\n" % (len(a), a))
     return b"".join(parts)
+
+
+def encode_parts(commands: Sequence[Sequence[Sequence[Buffer]]]) -> list[Buffer]:
+    """encode()'s bytes as buffers for one sendmsg, each argument given as the buffers it is made of (a
+    value's header, page and tag): parts of BIG_PART bytes and more stay where they lie, the rest is joined."""
+    out: list[Buffer] = []
+    small: list[bytes] = []
+    for args in commands:
+        small.append(b"*%d\r\n" % len(args))
+        for arg in args:
+            small.append(b"$%d\r\n" % sum(memoryview(part).nbytes for part in arg))
+            for part in arg:
+                if memoryview(part).nbytes < BIG_PART:
+                    small.append(bytes(part))
+                    continue
+                out.append(b"".join(small))
+                out.append(memoryview(part).cast("B"))
+                small = []
+            small.append(b"\r\n")
+    out.append(b"".join(small))
+    return out
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
+    """All of `buffers`, in turn, through sendmsg (IOV_MAX at a time; a partial send goes on from where it
+    stopped); blocking, bounded by the socket's timeout."""
+    views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first : first + IOV_MAX])
+        while sent and first < len(views):
+            if sent >= len(views[first]):
+                sent -= len(views[first])
+                first += 1
+            else:
+                views[first] = views[first][sent:]
+                sent = 0
 
 
 def check_ok(args: Sequence[bytes], line: bytes) -> None:
@@ -185,6 +232,13 @@ class RespConnection:
             self.sock.close()
             self.sock = None
 
+    def drop_if_closed(self) -> None:
+        """Between exchanges (no reply due): close the idle connection if the store has closed it (a
+        restart, its idle timeout) or it holds bytes nobody asked for, so that the next send connects
+        afresh rather than failing (as redis-py checks a connection it takes from its pool)."""
+        if self.sock is not None and select.select([self.sock], [], [], 0)[0]:
+            self.close()
+
     def send(self, commands: Sequence[Sequence[bytes]]) -> None:
         """Send the commands in one write (their replies read in order; several sends may be in flight)."""
         if self.sock is None:
@@ -192,6 +246,22 @@ class RespConnection:
         assert self.sock is not None
         try:
             self.sock.sendall(encode(commands))
+        except BaseException:
+            self.close()
+            raise
+
+    def send_parts(self, commands: Sequence[Sequence[Sequence[Buffer]]]) -> None:
+        """send(), each argument given as the buffers it is made of (encode_parts): the large ones are sent
+        from where they lie, in one sendmsg (over TLS joined first: an SSL socket has no sendmsg)."""
+        if self.sock is None:
+            self._connect()
+        assert self.sock is not None
+        buffers = encode_parts(commands)
+        try:
+            if isinstance(self.sock, ssl.SSLSocket):
+                self.sock.sendall(b"".join(buffers))
+            else:
+                send_buffers(self.sock, buffers)
         except BaseException:
             self.close()
             raise
@@ -240,6 +310,21 @@ class RespConnection:
         except BaseException:
             self.close()
             raise
+
+    def read_status(self) -> bytes | None:
+        """The next reply, a status (SET): None for +OK, the line of an error reply (-OOM, say: the stream
+        goes on); anything else closes the connection and raises RespError."""
+        try:
+            line = self._line()
+        except BaseException:
+            self.close()
+            raise
+        if line == b"+OK":
+            return None
+        if line[:1] == b"-":
+            return line
+        self.close()
+        raise RespError(f"expected a status: {line[:200]!r}")
 
     def command(self, *args: bytes) -> Any:
         """One command and its whole reply (nested lists, ints, bytes), for small control replies

@@ -33,6 +33,12 @@ def test_quick_run_restores_from_every_tier_and_reports_figures(tmp_path: Path) 
     assert re.search(
         r"restores paired .*\n  alternating\): wall time [+-]\d+%, this process's CPU time [+-]\d+%", out
     ), out
+    # The writes' two paths, side by side (figures printed as saved, no speed asserted).
+    writes = result["writes"]
+    for name, label in (("own", "kvpool's connection"), ("redis-py", "redis-py's pipeline")):
+        wall, cpu = writes[f"{name}_wall_ms_per_page"], writes[f"{name}_cpu_ms_per_page"]
+        assert wall > 0 and cpu > 0, writes
+        assert f"  {label:20} {wall:.3f} ms wall, {cpu:.3f} ms CPU of the writing thread" in out, out
     for tier, row in zip(("host", "disk", "remote"), result["tiers"]):
         pattern = rf"^{tier}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)%\s+(\d+\.\d)x"
         printed = re.search(pattern, out, re.M)
