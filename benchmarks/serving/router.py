@@ -37,12 +37,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from benchmarks.http_client import RawTransport, TransportError
 from benchmarks.serving.fleet import MODEL_NAME
 
 LOGGED_PATHS = {"v1/completions", "v1/chat/completions"}
@@ -64,6 +66,35 @@ def costs(prompt_len: int, held: list[int], active: list[int], shared_tier: bool
     ]
 
 
+class IndexClient:
+    """The index's queries (`POST /v1/prefix/match`, `POST /query`: a prompt's token ids one way, a few numbers
+    back) over kept-alive raw HTTP/1.1 connections (benchmarks.http_client.RawTransport, one request at a
+    time each; one per query in flight, kept for the next): httpx's client costs ~10x their CPU per call
+    (docs/benchmarks.md, "Figures behind the code"), and choosing a node is on every routed request's path."""
+
+    def __init__(self) -> None:
+        self.idle: dict[str, list[RawTransport]] = {}
+
+    async def post(self, url: str, path: str, body: object) -> tuple[int, bytes]:
+        """(status, body) of the query; raises TransportError where a fresh connection fails."""
+        idle = self.idle.setdefault(url, [])
+        while True:
+            reused = bool(idle)
+            conn = idle.pop() if reused else RawTransport(url)
+            try:
+                answer = await conn.send("POST", path, body)
+            except TransportError:
+                await conn.close()
+                if reused:  # a kept-alive connection the server has closed meanwhile (uvicorn: after 5 s idle)
+                    continue  # (the queries change nothing: sent again on another)
+                raise
+            except BaseException:  # (its stream in an unknown state: never reused)
+                await conn.close()
+                raise
+            idle.append(conn)
+            return answer
+
+
 class Router:
     def __init__(self, args: argparse.Namespace) -> None:
         self.backends: list[str] = args.backends.split(",")
@@ -78,6 +109,7 @@ class Router:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=512)
         )
+        self.index = IndexClient()
         self.log = open(args.log, "a", buffering=1)
         self.routed = [0] * len(self.backends)
         self.route_ns = 0  # time spent choosing (tokenize + match/query), over all requests
@@ -130,14 +162,11 @@ class Router:
     async def matched(self, token_ids: list[int]) -> list[int]:
         """Tokens of the prompt each node holds, by the policy's source."""
         if self.policy == "match":
-            answers = await asyncio.gather(
-                *(self.client.post(f"{url}/v1/prefix/match", json={"token_ids": token_ids}) for url in self.kvpools)
-            )
-            return [a.json()["cached_tokens"] if a.status_code == 200 else 0 for a in answers]
-        answer = await self.client.post(
-            f"{self.indexer}/query", json={"token_ids": token_ids, "model_name": MODEL_NAME}
-        )
-        instances = answer.json().get("instances", {}) if answer.status_code == 200 else {}
+            ask = {"token_ids": token_ids}
+            answers = await asyncio.gather(*(self.index.post(url, "/v1/prefix/match", ask) for url in self.kvpools))
+            return [orjson.loads(body)["cached_tokens"] if status == 200 else 0 for status, body in answers]
+        status, body = await self.index.post(self.indexer, "/query", {"token_ids": token_ids, "model_name": MODEL_NAME})
+        instances = orjson.loads(body).get("instances", {}) if status == 200 else {}
         return [int(instances.get(str(i), {}).get("longest_matched", 0)) for i in range(len(self.backends))]
 
     async def choose(self, path: str, body: dict[str, Any]) -> tuple[int, int]:
