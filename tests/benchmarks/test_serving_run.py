@@ -1,0 +1,39 @@
+"""benchmarks/serving/run.py and targets.py: on a fast hour, where a's p50 stays under 3x its unloaded TTFT at
+every rate, a and b run once more at twice the highest rate, and the b-vs-a target is judged there."""
+
+from typing import Any
+
+from benchmarks.serving.run import top_up_rate
+from benchmarks.serving.targets import BENCH, check_targets
+
+
+def run(config: str, rate: float, p50: float, mean: float = 0.0, cached: float = 0.1) -> dict[str, Any]:
+    return {
+        "config": config, "client": BENCH, "rate": rate, "unloaded": rate == 0, "label": f"{config}-{rate:g}",
+        "ttft_p50_ms": p50, "ttft_mean_ms": mean or p50, "failed": 0, "kvpool_pages_used_after": 0,
+        "server": {"cached_fraction": cached}, "replays": 1, "replays_identical": 1,
+    }  # fmt: skip
+
+
+def test_a_never_loaded_3x_asks_for_twice_the_highest_rate() -> None:
+    runs = [run("a", 0, 200), run("a", 2, 300), run("b", 2, 60), run("a", 4, 590), run("b", 4, 100)]
+    assert top_up_rate(runs) == 8
+    runs.append(run("a", 8, 550))  # still short of 3x: the top-up is made once, by the phase, not again here
+    assert top_up_rate(runs) == 16
+
+
+def test_a_loaded_3x_at_some_rate_or_not_run_asks_for_nothing() -> None:
+    assert top_up_rate([run("a", 0, 200), run("a", 2, 300), run("a", 4, 600)]) is None  # 3x at 4 req/s
+    assert top_up_rate([run("a", 0, 200)]) is None
+    assert top_up_rate([run("b", 2, 60), run("b", 4, 100)]) is None
+
+
+def test_b_vs_a_is_judged_at_the_first_rate_where_a_is_loaded_3x() -> None:
+    runs = [run("a", 0, 200), run("a", 2, 300, cached=0.12), run("b", 2, 60, cached=0.7)]
+    runs += [run("a", 4, 590, 700, 0.12), run("b", 4, 100, 200, 0.7)]
+    lines = "\n".join(check_targets(runs)["lines"])
+    assert "judged at 4 req/s" in lines and "never 3x" in lines and "MISS  b vs a mean TTFT lowered 3.50x" in lines
+    runs += [run("a", 8, 1200, 1500, 0.12), run("b", 8, 300, 400, 0.7)]  # the top-up
+    targets = check_targets(runs)
+    assert "judged at 8 req/s, where a's p50 is 1200.0 ms (6.0x unloaded)" in "\n".join(targets["lines"])
+    assert targets["checks"]["b_ttft"] and targets["checks"]["b_cached"]
