@@ -6,7 +6,7 @@ that command runs for `bench serve` (vllm/entrypoints/cli/benchmark/serve.py): v
 parser and benchmark, unchanged.
 
 With `--runs-from-stdin` it stays up and runs one benchmark per line of standard input (a JSON object:
-"argv", the arguments, and "done", a file it writes the exit status to when that run ends): importing
+"argv", the arguments, and "done", a file it puts the exit status in, whole, when that run ends): importing
 vLLM takes 10-40 s on this machine, once per fleet benchmark instead of once per run.
 """
 
@@ -35,7 +35,12 @@ def runs_from_stdin() -> None:
             traceback.print_exc()
             status = 1
         sys.stdout.flush()
-        Path(command["done"]).write_text(str(status))
+        # Written whole, then renamed into place: the runner waits for the file to exist, then reads it, and a
+        # file written in place could be seen empty in between (a run read as failed in session 18).
+        done = Path(command["done"])
+        part = done.with_name(done.name + ".part")
+        part.write_text(str(status))
+        part.replace(done)
 
 
 if __name__ == "__main__":
