@@ -297,9 +297,9 @@ class RemoteStore:
     def put(self, hashes: list[bytes], token_bytes: list[bytes], data: np.ndarray) -> int:
         """SET each page (a row of `data`) with the TTL, pipelined (one round trip); returns bytes sent.
         Blocking, on the caller's thread (the write thread). One node read by our reader: over a
-        connection of its own (self.writer), each value sent from its row as it lies (no value built,
-        half redis-py's CPU); a cluster or redis-py's reads: redis-py. Raises the client's errors, or
-        RespError for a SET the store refused (the others are written)."""
+        connection of its own (self.writer), each value sent from its row as it lies (no value built:
+        ~30 % less CPU than redis-py's pipeline); a cluster or redis-py's reads: redis-py. Raises the
+        client's errors, or RespError for a SET the store refused (the others are written)."""
         values = [self.entries.parts(h, t, data[i].data) for i, (h, t) in enumerate(zip(hashes, token_bytes))]
         sent = sum(memoryview(part).nbytes for value in values for part in value)
         if self.writer is None:

@@ -19,7 +19,7 @@ Redis >= 6.2 or any Valkey. One batch of keys is one sendall; several batches ma
 
 Writes (send_parts): pipelined SETs whose values go out from where they lie, a page's header, bytes and tag
 as separate buffers of one sendmsg (joined only for TLS, whose sockets have no sendmsg), each answered +OK
-(read_status). redis-py's pipeline built each value, then packed each command, and cost twice the CPU
+(read_status). redis-py's pipeline built each value, then packed each command: ~1.4x the CPU per page
 (docs/benchmarks.md, "Figures behind the code").
 
 Values of one expected size only (others are read into a scratch buffer and reported by their size).
