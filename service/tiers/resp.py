@@ -101,13 +101,14 @@ def encode_parts(commands: Sequence[Sequence[Sequence[Buffer]]]) -> list[Buffer]
     for args in commands:
         small.append(b"*%d\r\n" % len(args))
         for arg in args:
-            small.append(b"$%d\r\n" % sum(memoryview(part).nbytes for part in arg))
-            for part in arg:
-                if memoryview(part).nbytes < BIG_PART:
-                    small.append(bytes(part))
+            views = [memoryview(part).cast("B") for part in arg]
+            small.append(b"$%d\r\n" % sum(view.nbytes for view in views))
+            for view in views:
+                if view.nbytes < BIG_PART:
+                    small.append(bytes(view))
                     continue
                 out.append(b"".join(small))
-                out.append(memoryview(part).cast("B"))
+                out.append(view)
                 small = []
             small.append(b"\r\n")
     out.append(b"".join(small))
@@ -241,25 +242,21 @@ class RespConnection:
 
     def send(self, commands: Sequence[Sequence[bytes]]) -> None:
         """Send the commands in one write (their replies read in order; several sends may be in flight)."""
-        if self.sock is None:
-            self._connect()
-        assert self.sock is not None
-        try:
-            self.sock.sendall(encode(commands))
-        except BaseException:
-            self.close()
-            raise
+        self._write([encode(commands)])
 
     def send_parts(self, commands: Sequence[Sequence[Sequence[Buffer]]]) -> None:
         """send(), each argument given as the buffers it is made of (encode_parts): the large ones are sent
         from where they lie, in one sendmsg (over TLS joined first: an SSL socket has no sendmsg)."""
+        self._write(encode_parts(commands))
+
+    def _write(self, buffers: Sequence[Buffer]) -> None:
+        """`buffers` in turn, connecting first if need be; any failure closes the connection and raises."""
         if self.sock is None:
             self._connect()
         assert self.sock is not None
-        buffers = encode_parts(commands)
         try:
-            if isinstance(self.sock, ssl.SSLSocket):
-                self.sock.sendall(b"".join(buffers))
+            if len(buffers) == 1 or isinstance(self.sock, ssl.SSLSocket):
+                self.sock.sendall(buffers[0] if len(buffers) == 1 else b"".join(buffers))
             else:
                 send_buffers(self.sock, buffers)
         except BaseException:
