@@ -15,7 +15,7 @@ itself (see service/ipc/attach.py) so K/V never has to travel as JSON.
 """
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -23,7 +23,8 @@ import orjson
 import torch
 
 from service.client.calls import AppendResult, Call, Calls, SequenceInfo, StepAppend, StepResult, T, check_response
-from service.client.http1 import KeptConnection
+from service.client.http1 import Answer, KeptConnection
+from service.core.errors import KVPoolError
 from service.ipc.attach import AttachedPool
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -101,6 +102,32 @@ class KVPoolClient(_Base):
         sequences `free` freed (committing, as free()); instance: the result's .instance_id names the
         server's instance."""
         return self._run(Calls.step(appends, seq_ids, instance, free))
+
+    def free_unanswered(
+        self, seq_ids: Sequence[str], answered: Callable[[KVPoolError | httpx.HTTPError | None], None]
+    ) -> None:
+        """Free the sequences (committing, as step(free=...)) without waiting for kvpool's answer: the request
+        is written now, and its answer read before this client's next request (or at close()), when
+        `answered` gets None, or the error (KVPoolError: refused, nothing freed; httpx's: it may have run).
+        A write that fails raises httpx's error here (the request may have gone out in part)."""
+        call = Calls.step([], None, False, seq_ids)
+
+        def read(answer: Answer | httpx.HTTPError) -> None:
+            if isinstance(answer, httpx.HTTPError):
+                answered(answer)
+                return
+            try:
+                call.parse(check_response(answer))
+            except KVPoolError as exc:
+                answered(exc)
+                return
+            answered(None)
+
+        self.http.send_unanswered(call.method, call.path, answered=read, **_body(call))
+
+    def settle(self) -> None:
+        """Read the answer of a call sent unanswered (free_unanswered), if one is left, and hand it over."""
+        self.http.settle()
 
     def attend(
         self,

@@ -10,6 +10,11 @@ Failures are raised as httpx's exceptions (ConnectError, ReadTimeout, RemoteProt
 types both clients have always raised, so a caller's `except httpx.HTTPError` is unchanged. A
 connection the server closed while idle (uvicorn drops idle ones after a few seconds) is found before
 the next request is written, as urllib3 and httpcore do, and replaced; a request is never sent twice.
+
+A request may also be sent without waiting for its answer (`send_unanswered`): the caller pays for the
+write, not for the round trip, and the answer is read when the connection is next used (by then it has
+usually arrived), before the next request goes out. The vLLM connector frees a finished request's
+sequences so: the engine never needs their answer, and under load each round trip waited for a core.
 """
 
 import http.client
@@ -17,7 +22,9 @@ import select
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from urllib.parse import urlsplit
 
 import httpx
@@ -39,6 +46,9 @@ class Answer:
         return self.content.decode("utf-8", errors="replace")
 
 
+Answered = Callable[[Answer | httpx.HTTPError], None]  # gets the answer of a request sent unanswered
+
+
 class KeptConnection:
     """Requests one at a time on one connection to `base_url` (http or https, with an optional path
     prefix), each with `headers`; `timeout` bounds the connect and every read and write, in seconds.
@@ -58,11 +68,13 @@ class KeptConnection:
         self._context = ssl.create_default_context() if tls else None
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
+        # A request sent unanswered: its connection (its answer comes on that one), and what gets the answer.
+        self._unanswered: tuple[http.client.HTTPConnection, str, str, Answered] | None = None
 
     def _connection(self) -> http.client.HTTPConnection:
         conn = self._conn
         if conn is not None and (conn.sock is None or _dropped(conn.sock)):
-            self.close()  # closed by the server while idle (or after a Connection: close answer)
+            self._drop()  # closed by the server while idle (or after a Connection: close answer)
             conn = None
         if conn is None:
             if self._context is not None:
@@ -82,11 +94,68 @@ class KeptConnection:
     def request(
         self, method: str, path: str, content: bytes | None = None, headers: dict[str, str] | None = None
     ) -> Answer:
-        with self._lock:
-            return self._exchange(method, path, content, headers)
+        answered = None
+        try:
+            with self._lock:
+                answered = self._read_unanswered()
+                conn = self._connection()
+                self._send(conn, method, path, content, headers)
+                return self._receive(conn, method, path)
+        finally:
+            if answered is not None:
+                answered()  # (with the connection free again: it may make requests of its own)
 
-    def _exchange(self, method: str, path: str, content: bytes | None, headers: dict[str, str] | None) -> Answer:
-        conn = self._connection()
+    def send_unanswered(
+        self,
+        method: str,
+        path: str,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        *,
+        answered: Answered,
+    ) -> None:
+        """Write a request now and read its answer when the connection is next used (the next request, or
+        settle() or close()): then `answered` gets the Answer, or the httpx error that reading it raised, on
+        that caller's thread once the connection is free again. A write that fails raises here (the request
+        may have gone out in part: the caller decides what that means) and leaves nothing to read."""
+        earlier = None
+        try:
+            with self._lock:
+                earlier = self._read_unanswered()
+                conn = self._connection()
+                self._send(conn, method, path, content, headers)
+                self._unanswered = (conn, method, path, answered)
+        finally:
+            if earlier is not None:
+                earlier()
+
+    def settle(self) -> None:
+        """Read the answer of a request sent unanswered, if one is left, and hand it over."""
+        with self._lock:
+            answered = self._read_unanswered()
+        if answered is not None:
+            answered()
+
+    def _read_unanswered(self) -> Callable[[], None] | None:
+        if self._unanswered is None:
+            return None
+        conn, method, path, answered = self._unanswered
+        self._unanswered = None
+        outcome: Answer | httpx.HTTPError
+        try:
+            outcome = self._receive(conn, method, path)
+        except httpx.HTTPError as exc:
+            outcome = exc
+        return partial(answered, outcome)
+
+    def _send(
+        self,
+        conn: http.client.HTTPConnection,
+        method: str,
+        path: str,
+        content: bytes | None,
+        headers: dict[str, str] | None,
+    ) -> None:
         try:
             try:
                 conn.request(method, self.prefix + path, body=content, headers={**self.headers, **(headers or {})})
@@ -94,6 +163,12 @@ class KeptConnection:
                 raise httpx.WriteTimeout(f"{method} {path}: {exc}") from exc
             except (OSError, http.client.HTTPException) as exc:
                 raise httpx.WriteError(f"{method} {path}: {exc!r}") from exc
+        except BaseException:  # (an error, or an interrupt mid-write)
+            self._drop()  # the connection's state is unknown: the next request opens a new one
+            raise
+
+    def _receive(self, conn: http.client.HTTPConnection, method: str, path: str) -> Answer:
+        try:
             try:
                 response = conn.getresponse()
                 return Answer(response.status, response.read())
@@ -104,11 +179,17 @@ class KeptConnection:
                 raise httpx.RemoteProtocolError(f"{method} {path}: {exc!r}") from exc
             except OSError as exc:
                 raise httpx.ReadError(f"{method} {path}: {exc}") from exc
-        except BaseException:  # (an error, or an interrupt mid-exchange)
-            self.close()  # the connection's state is unknown: the next request opens a new one
+        except BaseException:  # (an error, or an interrupt mid-read)
+            self._drop()  # the connection's state is unknown: the next request opens a new one
             raise
 
     def close(self) -> None:
+        """Close the connection, first reading the answer of a request sent unanswered, if one is left."""
+        self.settle()
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()

@@ -156,8 +156,10 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def wait_for_saves(self) -> None:
         """Wait until every job queued so far on the connector's thread is done: a worker's saves (copies), a
-        scheduler's releases (commits of the saves its ranks have all reported, pending_saves)."""
+        scheduler's releases (commits of the saves its ranks have all reported, pending_saves), and the answer of
+        its last call of frees read (it sends them without waiting: vllm_saves.free_all)."""
         self._thread.drain()
+        self._thread.call(self._link.client.settle)
 
     @property
     def pending_saves(self) -> int:

@@ -59,23 +59,32 @@ def append_all(link: KVPoolLink, items: list[Append], commit: list[str], free: l
 
 
 def free_all(link: KVPoolLink, free: list[str]) -> None:
-    """The sequences freed, committing: one call (a step with nothing else), or one each if kvpool refuses
-    it (a sequence gone with a restart refuses the whole step); lost: freed uncommitted once kvpool answers.
-    Tried during an incident too (as out of pages: frees are what ends it)."""
+    """The sequences freed, committing, in one call (a step with nothing else) whose answer is not waited for:
+    the request is written now and its answer read before the link's next call (the engine never needs it,
+    and under load each round trip waited for a core). Refused (a sequence gone with a restart refuses the
+    whole step): freed one call each then; lost: freed uncommitted once kvpool answers. Tried during an
+    incident too (as out of pages: frees are what ends it)."""
     if not free:
         return
+
+    def answered(error: KVPoolError | httpx.HTTPError | None) -> None:
+        if error is None:
+            return
+        link.record(error)
+        if isinstance(error, KVPoolError):
+            for seq_id in free:
+                link.free(seq_id)
+        else:
+            for seq_id in free:
+                link.forget(seq_id)
+
     try:
-        link.client.step([], [], free=free)
-        link.stats["free_calls"] += 1
-        link.stats["frees"] += len(free)
-    except KVPoolError as exc:
-        link.record(exc)
-        for seq_id in free:
-            link.free(seq_id)
-    except httpx.HTTPError as exc:
-        link.record(exc)
-        for seq_id in free:
-            link.forget(seq_id)
+        link.client.free_unanswered(free, answered)
+    except httpx.HTTPError as exc:  # (the request may have gone out in part)
+        answered(exc)
+        return
+    link.stats["free_calls"] += 1
+    link.stats["frees"] += len(free)
 
 
 def _batched(link: KVPoolLink, items: list[Append], commit: list[str], free: list[str]) -> list[Appended | None]:

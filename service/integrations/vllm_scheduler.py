@@ -56,7 +56,7 @@ from service.integrations.vllm_thread import ConnectorThread
 
 LOAD_WAIT_POLL_S = 0.005  # a consumer's lookup asks kvpool again this often while it waits
 # Frees wait this long at most for a step call with saves to ride on while the engine has requests (an engine
-# with none sends them at once): under load, a call of frees alone cost about what a free each did. Not
+# with none sends them at once): a call of frees alone costs kvpool's server about what a free each did. Not
 # longer: a free may commit its sequence's last written pages, which the next round of a conversation looks
 # up (and 1 s left as many calls of frees alone in the fleet: most go when the engine has no request left).
 FREE_WAIT_S = 0.25
@@ -471,8 +471,9 @@ class KVPoolConnectorScheduler:
         return True
 
     def _flush_frees(self, now: bool = False) -> None:
-        """The sequences released since the last step call, freed in one call on the connector's thread: when
-        the engine has no request left, when the oldest has waited FREE_WAIT_S for a saves call, or `now`."""
+        """The sequences released since the last step call, freed in one call on the connector's thread (written,
+        its answer read with the link's next call: free_all): when the engine has no request left, when the
+        oldest has waited FREE_WAIT_S for a saves call, or `now`."""
         if not self._to_free:
             return
         if now or not self._requests or time.monotonic() - self._free_since >= FREE_WAIT_S:

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from service.client import KVPoolClient
-from service.client.http1 import KeptConnection
+from service.client.http1 import Answer, KeptConnection
+from service.core.errors import SequenceNotFound
 from tests.conftest import SMALL_POOL, Server, free_port
 
 
@@ -134,3 +135,61 @@ def test_threads_sharing_a_connection_take_turns(recorder: tuple[str, list[str]]
         t.join()
     conn.close()
     assert wrong == [] and len(seen) == 160
+
+
+def test_a_request_sent_unanswered_goes_out_at_once_and_its_answer_comes_with_the_next_call(
+    recorder: tuple[str, list[str]],
+) -> None:
+    """The server reads it before the caller's next call; its answer is handed over at that call, with the
+    connection free again (what gets it may call too), and is never taken for the next call's answer."""
+    url, seen = recorder
+    conn = KeptConnection(url, {}, timeout=5)
+    got: list[object] = []
+
+    def answered(answer: object) -> None:
+        got.append(answer)
+        got.append(conn.request("POST", "/echo", b"from-the-handler").content)
+
+    conn.send_unanswered("POST", "/echo", b"first", answered=answered)
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [s.split()[:2] for s in seen] == [["/echo", "first"]] and got == []  # sent, not read yet
+    assert conn.request("POST", "/echo", b"second").content == b"second"
+    first = got[0]
+    assert isinstance(first, Answer) and (first.status_code, first.content) == (200, b"first")
+    assert got[1:] == [b"from-the-handler"]
+    assert [s.split()[1] for s in seen] == ["first", "second", "from-the-handler"]
+    # settle() reads a pending answer without another request; close() too.
+    conn.send_unanswered("POST", "/echo", b"third", answered=got.append)
+    conn.settle()
+    assert isinstance(got[-1], Answer) and got[-1].content == b"third"
+    conn.send_unanswered("POST", "/hangup", b"fourth", answered=got.append)
+    conn.close()
+    assert isinstance(got[-1], httpx.RemoteProtocolError) and "/hangup" in str(got[-1])
+    assert conn._conn is None and len(got) == 4
+
+
+def test_an_unanswered_request_whose_connection_the_server_then_closed_is_still_answered() -> None:
+    """uvicorn answers, then closes the idle connection after its keep-alive timeout: the answer waiting in
+    the socket is read, and the next request goes on a new connection."""
+    server = Server({**SMALL_POOL, "KVPOOL_KEEP_ALIVE_TIMEOUT_S": "1"})
+    outcomes: list[object] = []
+    try:
+        with KVPoolClient(server.url) as client:
+            client.create_sequence("a", token_ids=list(range(40)))
+            client.create_sequence("b")
+            first = client.http._conn
+            client.free_unanswered(["a", "b"], outcomes.append)
+            time.sleep(2.5)  # the server answered, then closed its end
+            with pytest.raises(SequenceNotFound):
+                client.get_sequence("a")  # freed before the answer was read
+            assert outcomes == [None] and client.http._conn is not first
+            # Refused whole (a sequence unknown): the error, typed; nothing of it freed.
+            client.create_sequence("c")
+            client.free_unanswered(["c", "gone"], outcomes.append)
+            assert client.get_sequence("c").seq_id == "c"
+            assert isinstance(outcomes[-1], SequenceNotFound) and "gone" in str(outcomes[-1])
+            assert client.free("c") == 0
+    finally:
+        server.stop()

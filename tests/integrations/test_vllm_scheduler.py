@@ -7,6 +7,7 @@ scheduler side against a real `kvpool serve`, one call at a time, so that the re
 under test (a real engine reports a step's loads before it could release their pins).
 """
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from vllm.v1.request import Request
 from service.client import KVPoolClient
 from service.integrations.kvpool_link import Geometry, KVPoolLink
 from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, Role
+from service.integrations.vllm_saves import free_all
 from service.integrations.vllm_scheduler import KVPoolConnectorScheduler
 from service.integrations.vllm_thread import ConnectorThread
 from tests.integrations.test_vllm import KVPool, model_dir, tokens
@@ -189,7 +191,8 @@ def test_decoded_pages_ride_on_a_call_made_anyway_until_the_requests_last_step_o
         assert saved(last) == [("a", 64, 80)] and last.finish_saved == {"a"}
         assert scheduler.has_pending_push_work()  # a's sequence, released once written: freed by a step call
         assert not steps.step().saves and not scheduler.has_pending_push_work()  # (freed on the thread)
-        thread.run(lambda: None)
+        thread.drain()  # (the frees, queued on the thread: sent)
+        link.client.settle()  # (and answered: their call counted by the server)
 
         # Six saves in four calls: a's prompt, b's prompt, b's last step, a's finish (and the frees).
         made = calls(server)
@@ -204,6 +207,40 @@ def test_decoded_pages_ride_on_a_call_made_anyway_until_the_requests_last_step_o
         assert (after["pages_used"], after["num_sequences"]) == (0, 0), after
     finally:
         thread.close()
+        if link is not None:
+            link.close()
+        server.stop()
+
+
+def test_frees_alone_are_not_waited_for_and_a_refused_call_frees_one_at_a_time(model_dir: str) -> None:
+    """A call of frees alone is written and left: the server frees the sequences while the connector goes on,
+    and its answer is read with the link's next call. A refused one (a sequence gone) frees the others one
+    call each then, as a waited-for call did."""
+    server = KVPool(model_dir, PAGE)
+    link: KVPoolLink | None = None
+    try:
+        pool = server.pool()
+        geometry = Geometry(pool["num_layers"], pool["num_kv_heads"], pool["head_dim"], pool["dtype"])
+        link = KVPoolLink(server.url, None, geometry, 10.0, 1.0, "scheduler")
+        assert link.connect(at_start=True)
+        for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+            server.client.post("/v1/sequences", json={"seq_id": name, "token_ids": tokens(seed, 40)})
+        free_all(link, ["a", "b"])
+        assert link.client.http._unanswered is not None  # written, its answer not read
+        deadline = time.monotonic() + 10
+        while (exists(server, "a") or exists(server, "b")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not exists(server, "a") and not exists(server, "b")
+        assert (link.stats["free_calls"], link.stats["frees"]) == (1, 2)
+        assert link.client.pool()["num_sequences"] == 1  # the next call reads the answer first: no fault
+        assert link.client.http._unanswered is None and not any(k.startswith("faults") for k in link.stats)
+        free_all(link, ["c", "a"])  # "a" is gone: kvpool refuses the whole call
+        link.client.settle()
+        assert not exists(server, "c")  # freed by a call of its own once the refusal was read
+        assert (link.stats["faults_error"], calls(server)["DELETE /v1/sequences/{seq_id}"]) == (2, 2), link.stats
+        after = server.pool()
+        assert (after["pages_used"], after["num_sequences"]) == (0, 0), after
+    finally:
         if link is not None:
             link.close()
         server.stop()
