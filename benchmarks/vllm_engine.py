@@ -6,7 +6,8 @@ its stdin and stdout: the harness of the tests (tests/integrations) and of the v
 
 Optional keys: "dtype" (float32), "kv_cache_dtype" (auto), "kv_role" (kv_both), "max_tokens" (8),
 "max_model_len" (1024), "prefix_caching" (false: hits can then only come from kvpool), "max_num_batched_tokens"
-(vLLM's default: the step's token budget; a smaller one prefills prompts in chunks).
+(vLLM's default: the step's token budget; a smaller one prefills prompts in chunks), "connector" (more of the
+connector's extra config).
 
 Reads one JSON request per line, [{"token_ids": [...], "cache_salt": "..."}, ...], generates them
 (greedy, max_tokens new tokens), lets the connector's saves land (vLLM's steps bring the ranks' reports of
@@ -228,7 +229,7 @@ class Engine(EngineProcess):
 def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # EngineProcess.read dumps this process's stacks when it does not answer
     config = json.loads(sys.argv[1])
-    llm = build_llm(config, {"timeout_s": 2.0, "retry_interval_s": 0.5})
+    llm = build_llm(config, {"timeout_s": 2.0, "retry_interval_s": 0.5, **config.get("connector", {})})
     from vllm import SamplingParams
 
     params = SamplingParams(

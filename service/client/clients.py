@@ -103,30 +103,27 @@ class KVPoolClient(_Base):
         server's instance."""
         return self._run(Calls.step(appends, seq_ids, instance, free))
 
-    def free_unanswered(
-        self, seq_ids: Sequence[str], answered: Callable[[KVPoolError | httpx.HTTPError | None], None]
-    ) -> None:
-        """Free the sequences (committing, as step(free=...)) without waiting for kvpool's answer: the request
-        is written now, and its answer read before this client's next request (or at close()), when
-        `answered` gets None, or the error (KVPoolError: refused, nothing freed; httpx's: it may have run).
-        A write that fails raises httpx's error here (the request may have gone out in part)."""
-        call = Calls.step([], None, False, seq_ids)
+    def send_unanswered(self, call: Call[T], answered: Callable[[T | KVPoolError | httpx.HTTPError], None]) -> None:
+        """Make a call (`Calls.step(...)`, `Calls.append(...)`, ...) without waiting for kvpool's answer: the request
+        is written now, and its answer read before this client's next request (or at settle() or close()), when
+        `answered` gets the call's result, or the error (KVPoolError: refused, nothing of it applied; httpx's: it
+        may have run). A write that fails raises httpx's error here (the request may have gone out in part)."""
 
         def read(answer: Answer | httpx.HTTPError) -> None:
             if isinstance(answer, httpx.HTTPError):
                 answered(answer)
                 return
             try:
-                call.parse(check_response(answer))
+                result = call.parse(check_response(answer))
             except KVPoolError as exc:
                 answered(exc)
                 return
-            answered(None)
+            answered(result)
 
         self.http.send_unanswered(call.method, call.path, answered=read, **_body(call))
 
     def settle(self) -> None:
-        """Read the answer of a call sent unanswered (free_unanswered), if one is left, and hand it over."""
+        """Read the answer of a call sent unanswered (send_unanswered), if one is left, and hand it over."""
         self.http.settle()
 
     def attend(

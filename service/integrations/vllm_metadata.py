@@ -9,6 +9,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from service.integrations.kvpool_link import Geometry
+from service.integrations.vllm_reserve import Reservation
 from service.wire.dtypes import dtype_name
 
 # KV-cache dtypes the connector copies: the model's own ("auto"), or vLLM's FP8 caches, held by kvpool's FP8
@@ -88,6 +89,7 @@ class Role:
     loads: bool = True
     saves: bool = True
     load_wait_s: float = 2.0
+    reserve: bool = True  # a new prompt's pages appended right after its lookup (vllm_reserve)
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Pin:
     cached: int  # cached tokens as kvpool reported them (full pages)
     instance_id: str  # the server instance the pin was made on (whose pool holds its pages)
     start: int = 0  # tokens vLLM had locally when it asked
+    reserved: Reservation | None = None  # the prompt's pages appended to it after the lookup (vllm_reserve)
 
 
 def model_geometry(vllm_config: VllmConfig) -> Geometry:

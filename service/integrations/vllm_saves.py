@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from service.client.calls import Calls, StepResult
 from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
 
@@ -67,11 +68,11 @@ def free_all(link: KVPoolLink, free: list[str]) -> None:
     if not free:
         return
 
-    def answered(error: KVPoolError | httpx.HTTPError | None) -> None:
-        if error is None:
+    def answered(outcome: StepResult | KVPoolError | httpx.HTTPError) -> None:
+        if isinstance(outcome, StepResult):
             return
-        link.record(error)
-        if isinstance(error, KVPoolError):
+        link.record(outcome)
+        if isinstance(outcome, KVPoolError):
             for seq_id in free:
                 link.free(seq_id)
         else:
@@ -79,7 +80,7 @@ def free_all(link: KVPoolLink, free: list[str]) -> None:
                 link.forget(seq_id)
 
     try:
-        link.client.free_unanswered(free, answered)
+        link.client.send_unanswered(Calls.step([], None, False, free), answered)
     except httpx.HTTPError as exc:  # (the request may have gone out in part)
         answered(exc)
         return

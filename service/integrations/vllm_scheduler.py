@@ -13,7 +13,9 @@ never matches a prompt's last token, may match the page holding it; the loads th
 Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated for a hit and a save for every
 request whose computed prompt filled more kvpool pages: a prompt prefilled in chunks (longer than the step's
 token budget, or sharing it) is saved in one append with its last chunk, not one per chunk (each append is a
-call to kvpool that the step waits for). Pages filled while a request decodes ride on a call made anyway (a
+call to kvpool that the step waits for). That append is made with the lookup, its answer not waited for
+(vllm_reserve): the prompt's save then needs no call at all.
+Pages filled while a request decodes ride on a call made anyway (a
 step's prompt saves, or finished requests' saves) until the step that samples its last token by length
 (max_tokens), which saves them; a request that stops otherwise (a stop token or string) has what is left saved
 in the step after it finishes (vLLM keeps its blocks until they are written). A decoding request thus makes
@@ -51,6 +53,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, LoadJob, Pin, Role, SaveJob
+from service.integrations.vllm_reserve import Reservation, reserve
 from service.integrations.vllm_saves import Append, Appended, append_all, free_all
 from service.integrations.vllm_thread import ConnectorThread
 
@@ -153,6 +156,7 @@ class KVPoolConnectorScheduler:
         # (Its id is never hashed: it starts a page of its own or ends a partial one.)
         lookup_ids = [*token_ids, token_ids[-1]]
         expected = self._announced(request, len(token_ids))
+        reservation: list[Reservation | None] = [None]
 
         def lookup() -> "SequenceInfo | None":
             if not link.usable():
@@ -166,6 +170,9 @@ class KVPoolConnectorScheduler:
                 time.sleep(LOAD_WAIT_POLL_S)
                 link.stats["load_wait_polls"] += 1
                 info = link.create(lookup_ids, salt)
+            if info is not None and self._role.saves and self._role.reserve:  # the pages its save will write
+                full = len(token_ids) // link.page_size * link.page_size
+                reservation[0] = reserve(link, info.seq_id, token_ids, info.cached_tokens, full)
             link.stats["lookups"] += 1  # one per request, however many ranks load it
             link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
             return info
@@ -179,7 +186,7 @@ class KVPoolConnectorScheduler:
         self._saved[request.request_id] = max(self._saved.get(request.request_id, 0), info.cached_tokens)
         # Kept even without a hit: the request's first save appends to it (build_connector_meta).
         pages = info.block_table[: -(-hit // link.page_size)]
-        pin = Pin(info.seq_id, pages, hit, info.cached_tokens, info.instance_id or "")
+        pin = Pin(info.seq_id, pages, hit, info.cached_tokens, info.instance_id or "", reserved=reservation[0])
         self._pins[request.request_id] = pin
         return pin
 
@@ -212,10 +219,15 @@ class KVPoolConnectorScheduler:
         planned: list[Planned] = []
         block_ids: dict[str, list[int]] = {}
         held: dict[str, Held] = {}  # the held sequences this step's saves append to
+        ready: list[tuple[str, Pin]] = []  # saves into pages reserved with the lookup: no call
 
         def plan(req_id: str, end: int, blocks: list[int]) -> None:
             block_ids[req_id] = blocks[: -(-end // self._block_size)]
-            planned.append((req_id, end, self._base(req_id, held)))
+            pin = self._reserved(req_id, end)
+            if pin is not None:
+                ready.append((req_id, pin))
+            else:
+                planned.append((req_id, end, self._base(req_id, held)))
 
         decoded: list[tuple[str, int]] = []  # pages filled by decoding: saved with a call made anyway
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -245,6 +257,13 @@ class KVPoolConnectorScheduler:
                 plan(req_id, end, list(manager.get_block_ids(req_id)[0]))
             for req_id, last in finishing.items():
                 plan(req_id, last.end, last.block_ids)
+        self._link.stats["saves"] += len(ready)
+        for req_id, pin in ready:
+            assert pin.reserved is not None
+            reserved = pin.reserved
+            pages = reserved.pages[: -(-reserved.end // page_size)]
+            self._open_save(meta, SaveJob(0, req_id, pin.seq_id, reserved.instance_id, pages, pin.cached,
+                                          reserved.end, block_ids[req_id]), req_id not in finishing)  # fmt: skip
         if not planned:
             self._flush_frees()
             return meta
@@ -269,14 +288,40 @@ class KVPoolConnectorScheduler:
             if done is None:
                 continue
             item = done.item
-            save_id, self._next_save_id = self._next_save_id, self._next_save_id + 1
-            self._open[save_id] = OpenSave(item.seq_id, item.end - item.start, item.req_id, item.end)
-            job = SaveJob(save_id, item.req_id, item.seq_id, done.instance_id, done.pages, item.start, item.end,
+            job = SaveJob(0, item.req_id, item.seq_id, done.instance_id, done.pages, item.start, item.end,
                           block_ids[item.req_id])  # fmt: skip
-            meta.saves.append(job)
-            if item.req_id not in finishing:
-                self._saving.add(item.req_id)
+            self._open_save(meta, job, item.req_id not in finishing)
         return meta
+
+    def _open_save(self, meta: KVPoolMetadata, job: SaveJob, running: bool) -> None:
+        """A save handed to the ranks (numbered here), open until every rank has reported it."""
+        job.save_id, self._next_save_id = self._next_save_id, self._next_save_id + 1
+        self._open[job.save_id] = OpenSave(job.seq_id, job.end - job.start, job.req_id, job.end)
+        meta.saves.append(job)
+        if running:
+            self._saving.add(job.req_id)
+
+    def _reserved(self, req_id: str, end: int) -> Pin | None:
+        """The request's pin, taken for its save, if its reservation holds exactly tokens [0, end). Otherwise
+        the pin stays for _base: as it was if kvpool refused the reservation; released uncommitted if the
+        reservation is lost or holds other tokens (the save then goes to a new sequence)."""
+        pin = self._pins.get(req_id)
+        if pin is None or pin.reserved is None:
+            return None
+        if pin.reserved.state == "sent":
+            self._thread.call(self._link.client.settle)  # (its answer has long arrived: read it now)
+        if pin.reserved.state == "refused":
+            pin.reserved = None
+            return None
+        del self._pins[req_id]
+        held = self._held.pop(req_id, None)
+        if held is not None:  # (a preempted request looked up again)
+            self._release(held.seq_id)
+        if pin.reserved.state == "made" and pin.reserved.end == end:
+            return pin
+        self._link.stats["reservations_unused"] += 1
+        self._release(pin.seq_id, commit=False)
+        return None
 
     def _base(self, req_id: str, taken: dict[str, Held]) -> tuple[str, int] | None:
         """The sequence a save of the request appends to and the tokens it holds: the request's pin (handed
@@ -399,8 +444,8 @@ class KVPoolConnectorScheduler:
             self._saving.discard(req_id)
             return True, self._announcement(end)
         pin = self._pins.pop(req_id, None)
-        if pin is not None:
-            self._release(pin.seq_id)  # if kvpool restarted meanwhile, the pin went with it
+        if pin is not None:  # (if kvpool restarted meanwhile, the pin went with it)
+            self._release(pin.seq_id, commit=pin.reserved is None or not pin.reserved.unwritten)
         held = self._held.pop(req_id, None)
         if held is not None:
             self._release(held.seq_id)  # its pages are written: committed
@@ -440,10 +485,9 @@ class KVPoolConnectorScheduler:
         for held in self._held.values():
             self._release(held.seq_id)  # written by every rank: committed
         self._held.clear()
-        for req_id in self._finishing:  # (their last pages unsaved)
-            pin = self._pins.pop(req_id, None)
-            if pin is not None:
-                self._release(pin.seq_id)
+        for pin in self._pins.values():  # (requests never saved into them; finishing ones' last pages unsaved)
+            self._release(pin.seq_id, commit=pin.reserved is None or not pin.reserved.unwritten)
+        self._pins.clear()
         self._finishing.clear()
         self._flush_frees(now=True)
 

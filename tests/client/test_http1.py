@@ -10,7 +10,8 @@ from typing import ClassVar
 import httpx
 import pytest
 
-from service.client import KVPoolClient
+from service.client import KVPoolClient, StepResult
+from service.client.calls import Calls
 from service.client.http1 import Answer, KeptConnection
 from service.core.errors import SequenceNotFound
 from tests.conftest import SMALL_POOL, Server, free_port
@@ -180,14 +181,14 @@ def test_an_unanswered_request_whose_connection_the_server_then_closed_is_still_
             client.create_sequence("a", token_ids=list(range(40)))
             client.create_sequence("b")
             first = client.http._conn
-            client.free_unanswered(["a", "b"], outcomes.append)
+            client.send_unanswered(Calls.step([], None, False, ["a", "b"]), outcomes.append)
             time.sleep(2.5)  # the server answered, then closed its end
             with pytest.raises(SequenceNotFound):
                 client.get_sequence("a")  # freed before the answer was read
-            assert outcomes == [None] and client.http._conn is not first
+            assert isinstance(outcomes[0], StepResult) and client.http._conn is not first
             # Refused whole (a sequence unknown): the error, typed; nothing of it freed.
             client.create_sequence("c")
-            client.free_unanswered(["c", "gone"], outcomes.append)
+            client.send_unanswered(Calls.step([], None, False, ["c", "gone"]), outcomes.append)
             assert client.get_sequence("c").seq_id == "c"
             assert isinstance(outcomes[-1], SequenceNotFound) and "gone" in str(outcomes[-1])
             assert client.free("c") == 0

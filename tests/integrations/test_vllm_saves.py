@@ -55,17 +55,18 @@ def test_a_steps_saves_go_in_one_call_and_decoded_pages_wait_for_the_requests_la
     finally:
         server.stop()
     assert not any(k.startswith("faults") for k in stats), stats
-    # One create per request (its lookup); its saves append to that sequence, the first ones in a single step
-    # call; its free, when it finishes, rides on the engine's next step call (one with saves, or one of frees
-    # alone at the end of a step without saves): no DELETE. Saves: the prompts' pages in the prefill's step, then
-    # each request's pages its decoding filled (100+40 -> pages at 112, 128; 90 -> 96, 112, 128; 70 -> 80, 96;
-    # 50 -> 64, 80), none while it decodes (no other call to ride on: no prompt came meanwhile), all four in the
-    # step that samples their 40th and last token, in one call.
+    # One create per request (its lookup), and right after it the append of its prompt's full pages (a
+    # reservation, not waited for); its later saves append to that sequence; its free, when it finishes, rides on
+    # the engine's next step call (one with saves, or one of frees alone at the end of a step without saves): no
+    # DELETE. Saves: the prompts' pages in the prefill's step (into the reserved pages: no call), then each
+    # request's pages its decoding filled (100+40 -> pages at 112, 128; 90 -> 96, 112, 128; 70 -> 80, 96; 50 ->
+    # 64, 80), none while it decodes (no other call to ride on), all four in the step that samples their 40th and
+    # last token, in one call.
     assert grown["POST /v1/sequences"] == 4 and grown["DELETE /v1/sequences/{seq_id}"] == 0, grown
     assert stats["frees"] == 4 and 1 <= stats["free_calls"] <= 4, stats
-    assert stats["saves"] == 4 + 4 and stats["append_batches"] == 2 and "saves_after_finish" not in stats, stats
-    assert stats.get("append_batches_split", 0) == 0
-    assert grown["POST /v1/step"] == 2 + stats["free_calls"] and grown["POST /v1/sequences/{seq_id}/append"] == 0
+    assert stats["saves"] == 4 + 4 and stats["append_batches"] == 1 and "saves_after_finish" not in stats, stats
+    assert stats.get("append_batches_split", 0) == 0 and stats["reservations"] == 4
+    assert grown["POST /v1/step"] == 1 + stats["free_calls"] and grown["POST /v1/sequences/{seq_id}/append"] == 4
     assert stats["saved_tokens"] == sum((len(p) + 39) // PAGE * PAGE for p in prompts)  # (the last token: no KV)
     assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)  # every pin and save sequence released
     # The same engine (its own prefix cache off) loads them back from kvpool: every token but the last.
@@ -76,11 +77,13 @@ def test_a_steps_saves_go_in_one_call_and_decoded_pages_wait_for_the_requests_la
 def test_a_refused_batch_leaves_nothing_of_the_refused_request_and_the_others_saved(
     model_dir: str, tmp_path: Path
 ) -> None:
-    # 24 pages: the long prompt's 25 are refused whatever else is held; the short ones' 3 + 4 fit.
+    # 24 pages: the long prompt's 25 are refused whatever else is held; the short ones' 3 + 4 fit. (The prompts'
+    # pages not reserved with their lookups: their saves go in one step call.)
     server = KVPool(model_dir, PAGE, KVPOOL_NUM_PAGES="24")
     long, short, other = tokens(20, 400), tokens(21, 60), tokens(22, 70)
     try:
-        engine = Engine(model_dir, server.url, tmp_path / "engine.log", max_tokens=2)
+        options = {"connector": {"reserve_prompts": False}}
+        engine = Engine(model_dir, server.url, tmp_path / "engine.log", max_tokens=2, **options)
         try:
             first = engine.generate(long, short, other)  # one step prefills all three: one batch of three saves
             stats = engine.stats
@@ -130,3 +133,35 @@ def test_a_request_that_stops_before_its_max_tokens_has_its_last_pages_saved_aft
     assert stats["saves_after_finish"] == 1
     assert again["num_cached_tokens"] == computed // PAGE * PAGE and again["token_ids"][0] == stop
     assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
+
+
+def test_a_reservation_refused_leaves_the_save_to_its_step(model_dir: str, tmp_path: Path) -> None:
+    """The same three prompts with their pages reserved at lookup: the long one's reservation is refused (not a
+    fault), its save in the prefill step then too (one call, a fault); the short ones' go into their reserved
+    pages, no call. Nothing of the long one is left, the short ones are cached."""
+    server = KVPool(model_dir, PAGE, KVPOOL_NUM_PAGES="24")
+    long, short, other = tokens(20, 400), tokens(21, 60), tokens(22, 70)
+    try:
+        engine = Engine(model_dir, server.url, tmp_path / "engine.log", max_tokens=2)
+        try:
+            before = calls(server)
+            first = engine.generate(long, short, other)
+            grown = calls(server) - before
+            stats = engine.stats
+            pool = server.pool()
+            time.sleep(1.0)  # the out-of-pages incident's retry interval (0.5 s) passes
+            again = engine.generate(long, short, other)
+        finally:
+            engine.close()
+        after = server.pool()
+    finally:
+        server.stop()
+    assert (stats["reservations"], stats["reservations_refused"]) == (3, 1), stats
+    assert stats["faults_out_of_pages"] == 1 and stats.get("append_batches", 0) == 0, stats
+    # Three reservations, and the long prompt's own append in its step (refused).
+    assert grown["POST /v1/sequences/{seq_id}/append"] == 4, grown
+    assert stats["saved_tokens"] == 48 + 64  # the short ones' full pages, none of the long one's
+    assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
+    assert [out["num_cached_tokens"] for out in again] == [0, 48, 64]
+    assert [out["token_ids"] for out in again] == [out["token_ids"] for out in first]
+    assert (after["pages_used"], after["num_sequences"]) == (0, 0)

@@ -43,6 +43,13 @@ def exists(server: KVPool, seq_id: str) -> bool:
     return answer.status_code == 200
 
 
+def settle(thread: ConnectorThread, link: KVPoolLink) -> None:
+    """Whatever the connector's thread had queued has run, and the answer of its last call sent unanswered (the
+    frees) is read: kvpool has done all of it."""
+    thread.drain()
+    thread.call(link.client.settle)
+
+
 def test_a_pin_is_released_only_once_every_rank_has_reported_its_load(model_dir: str, tmp_path: Path) -> None:
     server = KVPool(model_dir, PAGE)
     thread = ConnectorThread(8)
@@ -72,14 +79,14 @@ def test_a_pin_is_released_only_once_every_rank_has_reported_its_load(model_dir:
 
         scheduler.request_finished(request, [])  # aborted before the ranks report: the pin stays
         scheduler.build_connector_meta(SchedulerOutput.make_empty(), None)  # (a step: frees would go now)
-        thread.run(lambda: None)  # (whatever the thread had queued has run)
+        settle(thread, link)
         assert exists(server, job.pin_id) and server.pool()["pages_used"] == 4
 
         def report(ranks: int) -> None:
             worker = KVPoolWorkerMeta(loaded=Counter({job.pin_id: ranks}))
             scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker))
             scheduler.build_connector_meta(SchedulerOutput.make_empty(), None)  # the next step
-            thread.run(lambda: None)
+            settle(thread, link)
 
         report(1)  # one rank of two: still held
         assert exists(server, job.pin_id) and server.pool()["pages_used"] == 4
@@ -172,15 +179,15 @@ def test_decoded_pages_ride_on_a_call_made_anyway_until_the_requests_last_step_o
             return [(job.req_id, job.start, job.end) for job in meta.saves]
 
         steps.add(a)
-        assert saved(steps.step()) == [("a", 0, 32)]  # a's prompt: its 2 full pages
+        assert saved(steps.step()) == [("a", 0, 32)]  # a's prompt: its 2 full pages, reserved with its lookup
         quiet = [steps.step() for _ in range(10)]  # a decodes through token 48 (a third page): no call for it
         assert a.num_computed_tokens == 50 and not any(m.saves for m in quiet)
         steps.add(b)
-        assert saved(steps.step()) == [("b", 0, 48), ("a", 32, 48)]  # b's prompt, and a's page riding along
+        assert saved(steps.step()) == [("b", 0, 48)]  # b's prompt, reserved too: no call for a's page to ride on
         quiet = [steps.step() for _ in range(15)]
         assert b.num_computed_tokens == 65 and not any(m.saves for m in quiet)  # (b's fourth page: not yet)
-        # b's last step (its 17th token): what it decoded is saved in it, and a's fourth page rides along.
-        assert saved(steps.step()) == [("b", 48, 64), ("a", 48, 64)] and b.num_output_tokens == 17
+        # b's last step (its 17th token): what it decoded is saved in it, and a's third and fourth pages ride along.
+        assert saved(steps.step()) == [("b", 48, 64), ("a", 32, 64)] and b.num_output_tokens == 17
         assert steps.finish(b)  # (its saves are being written: vLLM keeps its blocks until then)
         nothing = steps.step()
         assert not nothing.saves and not nothing.finish_saved  # b has nothing left to save
@@ -191,13 +198,14 @@ def test_decoded_pages_ride_on_a_call_made_anyway_until_the_requests_last_step_o
         assert saved(last) == [("a", 64, 80)] and last.finish_saved == {"a"}
         assert scheduler.has_pending_push_work()  # a's sequence, released once written: freed by a step call
         assert not steps.step().saves and not scheduler.has_pending_push_work()  # (freed on the thread)
-        thread.drain()  # (the frees, queued on the thread: sent)
-        link.client.settle()  # (and answered: their call counted by the server)
+        settle(thread, link)  # (the frees: sent, and answered, their call counted by the server)
 
-        # Six saves in four calls: a's prompt, b's prompt, b's last step, a's finish (and the frees).
+        # Five saves: the two prompts' into pages reserved with their lookups (two appends, not waited for), then
+        # b's last step's and a's finish's in two step calls.
         made = calls(server)
-        appends = made["POST /v1/step"] + made["POST /v1/sequences/{seq_id}/append"] - link.stats["free_calls"]
-        assert (link.stats["saves"], appends, made["POST /v1/sequences"]) == (6, 4, 2), (made, link.stats)
+        steps_with_saves = made["POST /v1/step"] - link.stats["free_calls"]
+        assert (link.stats["saves"], steps_with_saves, made["POST /v1/sequences"]) == (5, 2, 2), (made, link.stats)
+        assert made["POST /v1/sequences/{seq_id}/append"] == link.stats["reservations"] == 2
         with KVPoolClient(server.url) as client:  # kvpool holds a's 80 tokens and b's 64
             assert client.create_sequence("check-a", a.all_token_ids[:81]).cached_tokens == 80
             assert client.create_sequence("check-b", b.all_token_ids[:65]).cached_tokens == 64
@@ -241,6 +249,64 @@ def test_frees_alone_are_not_waited_for_and_a_refused_call_frees_one_at_a_time(m
         after = server.pool()
         assert (after["pages_used"], after["num_sequences"]) == (0, 0), after
     finally:
+        if link is not None:
+            link.close()
+        server.stop()
+
+
+def test_a_prompts_pages_reserved_with_its_lookup_are_saved_into_without_a_call_or_released_uncommitted(
+    model_dir: str,
+) -> None:
+    """The lookup appends the prompt's full pages to the pin, its answer not waited for; the prompt's save writes
+    into them with no call in its step. A request that ends before its prompt is saved has them released
+    uncommitted: no prefix ever finds a page whose K/V was not written."""
+    server = KVPool(model_dir, PAGE)
+    thread = ConnectorThread(8)
+    link: KVPoolLink | None = None
+    try:
+        pool = server.pool()
+        geometry = Geometry(pool["num_layers"], pool["num_kv_heads"], pool["head_dim"], pool["dtype"])
+        link = KVPoolLink(server.url, None, geometry, 10.0, 1.0, "scheduler")
+        assert link.connect(at_start=True)
+        scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role())
+        steps = Steps(scheduler, 1)
+        prompt = tokens(4, 3 * PAGE + 5)
+
+        aborted = Request("aborted", prompt, SamplingParams(max_tokens=4), None)
+        assert scheduler.get_num_new_matched_tokens(aborted, 0) == (0, False)
+        link.client.settle()
+        pin = scheduler._pins["aborted"]
+        assert pin.reserved is not None and pin.reserved.state == "made" and len(pin.reserved.pages) == 3
+        assert server.client.get(f"/v1/sequences/{pin.seq_id}").json()["length"] == 3 * PAGE
+        assert scheduler.request_finished(aborted, []) == (False, None)
+        settle(thread, link)
+        assert not exists(server, pin.seq_id)
+        after = server.pool()
+        assert (after["pages_used"], after["pages_cached"]) == (0, 0), after  # released, never committed
+
+        saved = Request("saved", prompt, SamplingParams(max_tokens=2), None)
+        steps.add(saved)
+        link.client.settle()
+        reserved = scheduler._pins["saved"].reserved
+        assert reserved is not None and reserved.state == "made"
+        before = calls(server)
+        meta = steps.step()  # the prompt's step: its save goes into the reserved pages, no call made
+        assert [route for route in calls(server) - before if route != "GET /metrics"] == []
+        assert [(job.seq_id, job.pages, job.start, job.end) for job in meta.saves] == [
+            (pin_id := meta.saves[0].seq_id, reserved.pages, 0, 3 * PAGE)
+        ]
+        steps.step()  # (its last token)
+        steps.finish(saved)
+        assert not steps.step().saves
+        settle(thread, link)
+        assert not exists(server, pin_id)
+        with KVPoolClient(server.url) as client:  # written by every rank: committed
+            assert client.create_sequence("check", prompt).cached_tokens == 3 * PAGE
+            client.free("check")
+        assert server.pool()["pages_used"] == 0
+        assert not any(k.startswith("faults") for k in link.stats), link.stats
+    finally:
+        thread.close()
         if link is not None:
             link.close()
         server.stop()
