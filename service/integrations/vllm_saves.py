@@ -13,6 +13,7 @@ answer is lost may have run: its sequences are released uncommitted (the freed o
 """
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -59,13 +60,14 @@ def append_all(link: KVPoolLink, items: list[Append], commit: list[str], free: l
         link.stats["append_ns"] += time.perf_counter_ns() - began  # the step waits for it
 
 
-def free_all(link: KVPoolLink, free: list[str]) -> None:
-    """The sequences freed, committing, in one call (a step with nothing else) whose answer is not waited for:
-    the request is written now and its answer read before the link's next call (the engine never needs it,
-    and under load each round trip waited for a core). Refused (a sequence gone with a restart refuses the
-    whole step): freed one call each then; lost: freed uncommitted once kvpool answers. Tried during an
-    incident too (as out of pages: frees are what ends it)."""
-    if not free:
+def free_all(link: KVPoolLink, free: list[str], commit: Sequence[str] = ()) -> None:
+    """The sequences `free` freed, committing, and the written pages of `commit` committed, in one call (a step
+    with nothing else) whose answer is not waited for: the request is written now and its answer read before the
+    link's next call (the engine never needs it, and under load each round trip waited for a core). Refused (a
+    sequence gone with a restart refuses the whole step): freed one call each then (the commits are left to
+    the sequences' frees); lost: freed uncommitted once kvpool answers. Tried during an incident too (as out of
+    pages: frees are what ends it)."""
+    if not (free or commit):
         return
 
     def answered(outcome: StepResult | KVPoolError | httpx.HTTPError) -> None:
@@ -80,12 +82,13 @@ def free_all(link: KVPoolLink, free: list[str]) -> None:
                 link.forget(seq_id)
 
     try:
-        link.client.send_unanswered(Calls.step([], None, False, free), answered)
+        link.client.send_unanswered(Calls.step([], commit, False, free), answered)
     except httpx.HTTPError as exc:  # (the request may have gone out in part)
         answered(exc)
         return
     link.stats["free_calls"] += 1
     link.stats["frees"] += len(free)
+    link.stats["commits"] += len(commit)
 
 
 def _batched(link: KVPoolLink, items: list[Append], commit: list[str], free: list[str]) -> list[Appended | None]:

@@ -515,14 +515,17 @@ class KVPoolConnectorScheduler:
         return True
 
     def _flush_frees(self, now: bool = False) -> None:
-        """The sequences released since the last step call, freed in one call on the connector's thread (written,
-        its answer read with the link's next call: free_all): when the engine has no request left, when the
-        oldest has waited FREE_WAIT_S for a saves call, or `now`."""
-        if not self._to_free:
+        """The written saves' commits and the sequences released since the last step call, in one call of their
+        own on the connector's thread (written, its answer read with the link's next call: free_all): at once
+        where a save is to commit (another request may look its prefix up: they rode on the next prompt's save
+        until its pages were reserved with the lookup), else when the engine has no request left, when the
+        oldest free has waited FREE_WAIT_S for a saves call, or `now`."""
+        if not (self._to_free or self._to_commit):
             return
-        if now or not self._requests or time.monotonic() - self._free_since >= FREE_WAIT_S:
+        if self._to_commit or now or not self._requests or time.monotonic() - self._free_since >= FREE_WAIT_S:
             frees, self._to_free = self._to_free, []
-            self._submit_release(lambda: free_all(self._link, frees))
+            commit, self._to_commit = list(self._to_commit), set()
+            self._submit_release(lambda: free_all(self._link, frees, commit))
 
     def _submit_release(self, fn: Callable[[], None]) -> None:
         def release() -> None:

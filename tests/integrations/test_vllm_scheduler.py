@@ -201,11 +201,15 @@ def test_decoded_pages_ride_on_a_call_made_anyway_until_the_requests_last_step_o
         settle(thread, link)  # (the frees: sent, and answered, their call counted by the server)
 
         # Five saves: the two prompts' into pages reserved with their lookups (two appends, not waited for), then
-        # b's last step's and a's finish's in two step calls.
+        # b's last step's and a's finish's in two calls (b's with a's pages: a step call; a's last alone, an append).
+        # The written saves' commits and the frees went in calls of their own, not waited for.
         made = calls(server)
+        appends = made["POST /v1/sequences/{seq_id}/append"] - link.stats["reservations"]
         steps_with_saves = made["POST /v1/step"] - link.stats["free_calls"]
-        assert (link.stats["saves"], steps_with_saves, made["POST /v1/sequences"]) == (5, 2, 2), (made, link.stats)
-        assert made["POST /v1/sequences/{seq_id}/append"] == link.stats["reservations"] == 2
+        assert (link.stats["saves"], steps_with_saves, appends, made["POST /v1/sequences"]) == (5, 1, 1, 2), (
+            made, link.stats,
+        )  # fmt: skip
+        assert link.stats["reservations"] == 2 and link.stats["commits"] >= 2
         with KVPoolClient(server.url) as client:  # kvpool holds a's 80 tokens and b's 64
             assert client.create_sequence("check-a", a.all_token_ids[:81]).cached_tokens == 80
             assert client.create_sequence("check-b", b.all_token_ids[:65]).cached_tokens == 64
