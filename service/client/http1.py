@@ -94,16 +94,9 @@ class KeptConnection:
     def request(
         self, method: str, path: str, content: bytes | None = None, headers: dict[str, str] | None = None
     ) -> Answer:
-        answered = None
-        try:
-            with self._lock:
-                answered = self._read_unanswered()
-                conn = self._connection()
-                self._send(conn, method, path, content, headers)
-                return self._receive(conn, method, path)
-        finally:
-            if answered is not None:
-                answered()  # (with the connection free again: it may make requests of its own)
+        answer = self._call(method, path, content, headers, None)
+        assert answer is not None
+        return answer
 
     def send_unanswered(
         self,
@@ -118,16 +111,31 @@ class KeptConnection:
         settle() or close()): then `answered` gets the Answer, or the httpx error that reading it raised, on
         that caller's thread once the connection is free again. A write that fails raises here (the request
         may have gone out in part: the caller decides what that means) and leaves nothing to read."""
+        self._call(method, path, content, headers, answered)
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        content: bytes | None,
+        headers: dict[str, str] | None,
+        answered: Answered | None,
+    ) -> Answer | None:
+        """The request written, after the answer of the one sent unanswered before it is read; then its own
+        answer read, or (`answered`) left for later."""
         earlier = None
         try:
             with self._lock:
                 earlier = self._read_unanswered()
                 conn = self._connection()
                 self._send(conn, method, path, content, headers)
-                self._unanswered = (conn, method, path, answered)
+                if answered is not None:
+                    self._unanswered = (conn, method, path, answered)
+                    return None
+                return self._receive(conn, method, path)
         finally:
             if earlier is not None:
-                earlier()
+                earlier()  # (with the connection free again: it may make requests of its own)
 
     def settle(self) -> None:
         """Read the answer of a request sent unanswered, if one is left, and hand it over."""

@@ -74,18 +74,23 @@ def test_a_steps_saves_go_in_one_call_and_decoded_pages_wait_for_the_requests_la
     assert [out["token_ids"][:8] for out in again] == [out["token_ids"][32:40] for out in first]
 
 
-def test_a_refused_batch_leaves_nothing_of_the_refused_request_and_the_others_saved(
-    model_dir: str, tmp_path: Path
+@pytest.mark.parametrize("reserve", [False, True], ids=["saved-in-the-step", "reserved-at-lookup"])
+def test_a_refused_save_leaves_nothing_of_the_refused_request_and_the_others_saved(
+    model_dir: str, tmp_path: Path, reserve: bool
 ) -> None:
-    # 24 pages: the long prompt's 25 are refused whatever else is held; the short ones' 3 + 4 fit. (The prompts'
-    # pages not reserved with their lookups: their saves go in one step call.)
+    """24 pages: the long prompt's 25 are refused whatever else is held; the short ones' 3 + 4 fit. Without
+    reservations the three saves go in one step call, which kvpool refuses whole and the connector splits; with
+    them the long one's reservation is refused (not a fault), its save in the prefill step then too (a call of its
+    own, a fault), and the short ones' go into their reserved pages, no call."""
     server = KVPool(model_dir, PAGE, KVPOOL_NUM_PAGES="24")
     long, short, other = tokens(20, 400), tokens(21, 60), tokens(22, 70)
     try:
-        options = {"connector": {"reserve_prompts": False}}
+        options = {"connector": {"reserve_prompts": reserve}}
         engine = Engine(model_dir, server.url, tmp_path / "engine.log", max_tokens=2, **options)
         try:
-            first = engine.generate(long, short, other)  # one step prefills all three: one batch of three saves
+            before = calls(server)
+            first = engine.generate(long, short, other)  # one step prefills all three
+            grown = calls(server) - before
             stats = engine.stats
             pool = server.pool()
             time.sleep(1.0)  # the out-of-pages incident's retry interval (0.5 s) passes
@@ -95,7 +100,12 @@ def test_a_refused_batch_leaves_nothing_of_the_refused_request_and_the_others_sa
         after = server.pool()
     finally:
         server.stop()
-    assert stats["append_batches_split"] == 1 and stats["faults_out_of_pages"] >= 1, stats
+    if reserve:
+        assert (stats["reservations"], stats["reservations_refused"]) == (3, 1), stats
+        assert stats["faults_out_of_pages"] == 1 and stats.get("append_batches", 0) == 0, stats
+        assert grown["POST /v1/sequences/{seq_id}/append"] == 4, grown  # three reservations, the long one's save
+    else:
+        assert stats["append_batches_split"] == 1 and stats["faults_out_of_pages"] >= 1, stats
     assert stats["saved_tokens"] == 48 + 64  # the short ones' full pages, none of the long one's
     assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
     assert [out["num_cached_tokens"] for out in again] == [0, 48, 64]
@@ -133,35 +143,3 @@ def test_a_request_that_stops_before_its_max_tokens_has_its_last_pages_saved_aft
     assert stats["saves_after_finish"] == 1
     assert again["num_cached_tokens"] == computed // PAGE * PAGE and again["token_ids"][0] == stop
     assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
-
-
-def test_a_reservation_refused_leaves_the_save_to_its_step(model_dir: str, tmp_path: Path) -> None:
-    """The same three prompts with their pages reserved at lookup: the long one's reservation is refused (not a
-    fault), its save in the prefill step then too (one call, a fault); the short ones' go into their reserved
-    pages, no call. Nothing of the long one is left, the short ones are cached."""
-    server = KVPool(model_dir, PAGE, KVPOOL_NUM_PAGES="24")
-    long, short, other = tokens(20, 400), tokens(21, 60), tokens(22, 70)
-    try:
-        engine = Engine(model_dir, server.url, tmp_path / "engine.log", max_tokens=2)
-        try:
-            before = calls(server)
-            first = engine.generate(long, short, other)
-            grown = calls(server) - before
-            stats = engine.stats
-            pool = server.pool()
-            time.sleep(1.0)  # the out-of-pages incident's retry interval (0.5 s) passes
-            again = engine.generate(long, short, other)
-        finally:
-            engine.close()
-        after = server.pool()
-    finally:
-        server.stop()
-    assert (stats["reservations"], stats["reservations_refused"]) == (3, 1), stats
-    assert stats["faults_out_of_pages"] == 1 and stats.get("append_batches", 0) == 0, stats
-    # Three reservations, and the long prompt's own append in its step (refused).
-    assert grown["POST /v1/sequences/{seq_id}/append"] == 4, grown
-    assert stats["saved_tokens"] == 48 + 64  # the short ones' full pages, none of the long one's
-    assert (pool["pages_used"], pool["num_sequences"]) == (0, 0)
-    assert [out["num_cached_tokens"] for out in again] == [0, 48, 64]
-    assert [out["token_ids"] for out in again] == [out["token_ids"] for out in first]
-    assert (after["pages_used"], after["num_sequences"]) == (0, 0)

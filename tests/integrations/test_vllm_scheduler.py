@@ -9,6 +9,8 @@ under test (a real engine reports a step's loads before it could release their p
 
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -43,6 +45,26 @@ def exists(server: KVPool, seq_id: str) -> bool:
     return answer.status_code == 200
 
 
+@contextmanager
+def connected(model_dir: str) -> Iterator[tuple[KVPool, ConnectorThread, KVPoolLink]]:
+    """A `kvpool serve` with the model's geometry, a connector thread, and a scheduler-side link connected to the
+    server; all closed after."""
+    server = KVPool(model_dir, PAGE)
+    thread = ConnectorThread(8)
+    link: KVPoolLink | None = None
+    try:
+        pool = server.pool()
+        geometry = Geometry(pool["num_layers"], pool["num_kv_heads"], pool["head_dim"], pool["dtype"])
+        link = KVPoolLink(server.url, None, geometry, 10.0, 1.0, "scheduler")
+        assert link.connect(at_start=True)
+        yield server, thread, link
+    finally:
+        thread.close()
+        if link is not None:
+            link.close()
+        server.stop()
+
+
 def settle(thread: ConnectorThread, link: KVPoolLink) -> None:
     """Whatever the connector's thread had queued has run, and the answer of its last call sent unanswered (the
     frees) is read: kvpool has done all of it."""
@@ -51,19 +73,13 @@ def settle(thread: ConnectorThread, link: KVPoolLink) -> None:
 
 
 def test_a_pin_is_released_only_once_every_rank_has_reported_its_load(model_dir: str, tmp_path: Path) -> None:
-    server = KVPool(model_dir, PAGE)
-    thread = ConnectorThread(8)
-    link: KVPoolLink | None = None
-    try:
+    with connected(model_dir) as (server, thread, link):
         prompt = tokens(3, 4 * PAGE + 5)
         with KVPoolClient(server.url) as seeder:  # 4 pages of the prompt cached in kvpool
             seeder.create_sequence("seed")
             seeder.append("seed", token_ids=prompt[: 4 * PAGE])
             seeder.free("seed")  # (committing its full pages)
         pool = server.pool()
-        geometry = Geometry(pool["num_layers"], pool["num_kv_heads"], pool["head_dim"], pool["dtype"])
-        link = KVPoolLink(server.url, None, geometry, 10.0, 1.0, "scheduler")
-        assert link.connect(at_start=True)
         scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, RANKS, Role())
         request = Request("r1", prompt, SamplingParams(max_tokens=1), None)
 
@@ -95,11 +111,6 @@ def test_a_pin_is_released_only_once_every_rank_has_reported_its_load(model_dir:
         after = server.pool()
         assert after["pages_used"] == 0 and after["pages_cached"] == 4, after
         assert not any(k.startswith("faults") for k in link.stats), link.stats
-    finally:
-        thread.close()
-        if link is not None:
-            link.close()
-        server.stop()
 
 
 def test_the_lookup_answer_names_the_instance(model_dir: str) -> None:
@@ -162,14 +173,7 @@ class Steps:
 
 
 def test_decoded_pages_ride_on_a_call_made_anyway_until_the_requests_last_step_or_its_finish(model_dir: str) -> None:
-    server = KVPool(model_dir, PAGE)
-    thread = ConnectorThread(8)
-    link: KVPoolLink | None = None
-    try:
-        pool = server.pool()
-        geometry = Geometry(pool["num_layers"], pool["num_kv_heads"], pool["head_dim"], pool["dtype"])
-        link = KVPoolLink(server.url, None, geometry, 10.0, 1.0, "scheduler")
-        assert link.connect(at_start=True)
+    with connected(model_dir) as (server, thread, link):
         scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role())
         steps = Steps(scheduler, 1)
         a = Request("a", tokens(5, 40), SamplingParams(max_tokens=100), None)  # stopped early (a stop token)
@@ -217,24 +221,13 @@ def test_decoded_pages_ride_on_a_call_made_anyway_until_the_requests_last_step_o
             client.free("check-b")
         after = server.pool()
         assert (after["pages_used"], after["num_sequences"]) == (0, 0), after
-    finally:
-        thread.close()
-        if link is not None:
-            link.close()
-        server.stop()
 
 
 def test_frees_alone_are_not_waited_for_and_a_refused_call_frees_one_at_a_time(model_dir: str) -> None:
     """A call of frees alone is written and left: the server frees the sequences while the connector goes on,
     and its answer is read with the link's next call. A refused one (a sequence gone) frees the others one
     call each then, as a waited-for call did."""
-    server = KVPool(model_dir, PAGE)
-    link: KVPoolLink | None = None
-    try:
-        pool = server.pool()
-        geometry = Geometry(pool["num_layers"], pool["num_kv_heads"], pool["head_dim"], pool["dtype"])
-        link = KVPoolLink(server.url, None, geometry, 10.0, 1.0, "scheduler")
-        assert link.connect(at_start=True)
+    with connected(model_dir) as (server, _, link):
         for name, seed in (("a", 1), ("b", 2), ("c", 3)):
             server.client.post("/v1/sequences", json={"seq_id": name, "token_ids": tokens(seed, 40)})
         free_all(link, ["a", "b"])
@@ -252,10 +245,6 @@ def test_frees_alone_are_not_waited_for_and_a_refused_call_frees_one_at_a_time(m
         assert (link.stats["faults_error"], calls(server)["DELETE /v1/sequences/{seq_id}"]) == (2, 2), link.stats
         after = server.pool()
         assert (after["pages_used"], after["num_sequences"]) == (0, 0), after
-    finally:
-        if link is not None:
-            link.close()
-        server.stop()
 
 
 def test_a_prompts_pages_reserved_with_its_lookup_are_saved_into_without_a_call_or_released_uncommitted(
@@ -264,14 +253,7 @@ def test_a_prompts_pages_reserved_with_its_lookup_are_saved_into_without_a_call_
     """The lookup appends the prompt's full pages to the pin, its answer not waited for; the prompt's save writes
     into them with no call in its step. A request that ends before its prompt is saved has them released
     uncommitted: no prefix ever finds a page whose K/V was not written."""
-    server = KVPool(model_dir, PAGE)
-    thread = ConnectorThread(8)
-    link: KVPoolLink | None = None
-    try:
-        pool = server.pool()
-        geometry = Geometry(pool["num_layers"], pool["num_kv_heads"], pool["head_dim"], pool["dtype"])
-        link = KVPoolLink(server.url, None, geometry, 10.0, 1.0, "scheduler")
-        assert link.connect(at_start=True)
+    with connected(model_dir) as (server, thread, link):
         scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role())
         steps = Steps(scheduler, 1)
         prompt = tokens(4, 3 * PAGE + 5)
@@ -309,8 +291,3 @@ def test_a_prompts_pages_reserved_with_its_lookup_are_saved_into_without_a_call_
             client.free("check")
         assert server.pool()["pages_used"] == 0
         assert not any(k.startswith("faults") for k in link.stats), link.stats
-    finally:
-        thread.close()
-        if link is not None:
-            link.close()
-        server.stop()
