@@ -14,11 +14,11 @@ Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated f
 request whose computed prompt filled more kvpool pages: a prompt prefilled in chunks (longer than the step's
 token budget, or sharing it) is saved in one append with its last chunk, not one per chunk (each append is a
 call to kvpool that the step waits for). That append is made with the lookup, its answer not waited for
-(vllm_reserve): the prompt's save then needs no call at all.
-Pages filled while a request decodes ride on a call made anyway (a
-step's prompt saves, or finished requests' saves) until the step that samples its last token by length
-(max_tokens), which saves them; a request that stops otherwise (a stop token or string) has what is left saved
-in the step after it finishes (vLLM keeps its blocks until they are written). A decoding request thus makes
+(vllm_reserve): the prompt's save then needs no call at all. Pages filled while a request decodes ride on a
+call made anyway (a prompt's save whose reservation failed, another request's last step, or finished requests'
+saves) until the step that samples its last token by length (max_tokens), which saves them; a request that
+stops otherwise (a stop token or string) has what is left saved in the step after it finishes (vLLM keeps its
+blocks until they are written). A decoding request thus makes
 at most one call of its own, whatever its length, where it made one per page it filled. The scheduler appends
 those pages itself, all of a step's in one call (vllm_saves): to the request's pin, to the sequence of its earlier saves
 once every rank has written those, or else to a sequence created from its token ids (what kvpool holds already
@@ -156,9 +156,8 @@ class KVPoolConnectorScheduler:
         # (Its id is never hashed: it starts a page of its own or ends a partial one.)
         lookup_ids = [*token_ids, token_ids[-1]]
         expected = self._announced(request, len(token_ids))
-        reservation: list[Reservation | None] = [None]
 
-        def lookup() -> "SequenceInfo | None":
+        def lookup() -> "tuple[SequenceInfo, Reservation | None] | None":
             if not link.usable():
                 return None
             began = time.perf_counter_ns()
@@ -170,23 +169,25 @@ class KVPoolConnectorScheduler:
                 time.sleep(LOAD_WAIT_POLL_S)
                 link.stats["load_wait_polls"] += 1
                 info = link.create(lookup_ids, salt)
+            reservation = None
             if info is not None and self._role.saves and self._role.reserve:  # the pages its save will write
                 full = len(token_ids) // link.page_size * link.page_size
-                reservation[0] = reserve(link, info.seq_id, token_ids, info.cached_tokens, full)
+                reservation = reserve(link, info.seq_id, token_ids, info.cached_tokens, full)
             link.stats["lookups"] += 1  # one per request, however many ranks load it
             link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
-            return info
+            return None if info is None else (info, reservation)
 
-        info = self._thread.call(lookup)
-        if info is None:
+        looked_up = self._thread.call(lookup)
+        if looked_up is None:
             return None
+        info, reservation = looked_up
         if info.cached_tokens < expected:
             link.stats["load_wait_timeouts"] += 1
         hit = min(info.cached_tokens, len(token_ids) - 1)
         self._saved[request.request_id] = max(self._saved.get(request.request_id, 0), info.cached_tokens)
         # Kept even without a hit: the request's first save appends to it (build_connector_meta).
         pages = info.block_table[: -(-hit // link.page_size)]
-        pin = Pin(info.seq_id, pages, hit, info.cached_tokens, info.instance_id or "", reserved=reservation[0])
+        pin = Pin(info.seq_id, pages, hit, info.cached_tokens, info.instance_id or "", reserved=reservation)
         self._pins[request.request_id] = pin
         return pin
 
@@ -261,8 +262,7 @@ class KVPoolConnectorScheduler:
         for req_id, pin in ready:
             assert pin.reserved is not None
             reserved = pin.reserved
-            pages = reserved.pages[: -(-reserved.end // page_size)]
-            self._open_save(meta, SaveJob(0, req_id, pin.seq_id, reserved.instance_id, pages, pin.cached,
+            self._open_save(meta, SaveJob(0, req_id, pin.seq_id, reserved.instance_id, reserved.pages, pin.cached,
                                           reserved.end, block_ids[req_id]), req_id not in finishing)  # fmt: skip
         if not planned:
             self._flush_frees()
@@ -445,7 +445,7 @@ class KVPoolConnectorScheduler:
             return True, self._announcement(end)
         pin = self._pins.pop(req_id, None)
         if pin is not None:  # (if kvpool restarted meanwhile, the pin went with it)
-            self._release(pin.seq_id, commit=pin.reserved is None or not pin.reserved.unwritten)
+            self._release_pin(pin)
         held = self._held.pop(req_id, None)
         if held is not None:
             self._release(held.seq_id)  # its pages are written: committed
@@ -486,7 +486,7 @@ class KVPoolConnectorScheduler:
             self._release(held.seq_id)  # written by every rank: committed
         self._held.clear()
         for pin in self._pins.values():  # (requests never saved into them; finishing ones' last pages unsaved)
-            self._release(pin.seq_id, commit=pin.reserved is None or not pin.reserved.unwritten)
+            self._release_pin(pin)
         self._pins.clear()
         self._finishing.clear()
         self._flush_frees(now=True)
@@ -505,6 +505,11 @@ class KVPoolConnectorScheduler:
             self._to_free.append(seq_id)
         else:
             self._submit_release(lambda: self._link.discard(seq_id))
+
+    def _release_pin(self, pin: Pin) -> None:
+        """A pin never saved into: committing (it holds cached pages only), or uncommitted where pages were reserved
+        in it (their K/V never written)."""
+        self._release(pin.seq_id, commit=pin.reserved is None or not pin.reserved.unwritten)
 
     def _after_loads(self, seq_id: str, action: Callable[[], None]) -> bool:
         """Defer `action` (releasing the pin `seq_id`) until every rank has reported its loads from it: True if

@@ -273,13 +273,13 @@ def test_a_prompts_pages_reserved_with_its_lookup_are_saved_into_without_a_call_
         saved = Request("saved", prompt, SamplingParams(max_tokens=2), None)
         steps.add(saved)
         link.client.settle()
-        reserved = scheduler._pins["saved"].reserved
-        assert reserved is not None and reserved.state == "made"
+        pin_id, reserved = scheduler._pins["saved"].seq_id, scheduler._pins["saved"].reserved
+        assert reserved is not None and reserved.state == "made" and len(reserved.pages) == 3
         before = calls(server)
         meta = steps.step()  # the prompt's step: its save goes into the reserved pages, no call made
         assert [route for route in calls(server) - before if route != "GET /metrics"] == []
         assert [(job.seq_id, job.pages, job.start, job.end) for job in meta.saves] == [
-            (pin_id := meta.saves[0].seq_id, reserved.pages, 0, 3 * PAGE)
+            (pin_id, reserved.pages, 0, 3 * PAGE)
         ]
         steps.step()  # (its last token)
         steps.finish(saved)
