@@ -8,7 +8,8 @@ Extra config keys: `kvpool_url` (required), `kvpool_api_key` (a Bearer key of KV
 tenant must be in KVPOOL_IPC_TENANTS), `timeout_s` (per HTTP call, 5), `retry_interval_s` (how long
 calls are skipped after a fault, 5), `max_queued_saves` (64; one more makes the step wait), `load_wait_s`
 (2; how long a consumer's lookup waits for the tokens a producer announced in kv_transfer_params),
-`reserve_prompts` (true: a new prompt's pages are appended right after its lookup, vllm_reserve).
+`reserve_pages` (true: a new prompt's pages are appended right after its lookup, a finished request's last
+pages when it finishes, neither waited for: vllm_reserve).
 
 Scheduler side: a new request's token ids create a kvpool sequence (the *pin*): its block table is the cached
 prefix, held (not evictable) until its first save, or until the request finishes or is aborted, and until
@@ -84,7 +85,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         if not extra.get("kvpool_url"):
             raise ValueError("KVPoolConnector needs kv_connector_extra_config.kvpool_url (e.g. http://127.0.0.1:8000)")
         known = {"kvpool_url", "kvpool_api_key", "timeout_s", "retry_interval_s", "max_queued_saves", "load_wait_s"}
-        known.add("reserve_prompts")
+        known.add("reserve_pages")
         unknown = set(extra) - known
         if unknown:
             raise ValueError(f"KVPoolConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
@@ -104,11 +105,11 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         # The connector's thread: every call on the link runs there (scheduler side: lookups and appends, waited
         # for, and releases, not waited for; worker side: loads, waited for, and saves, not waited for).
-        self._thread = ConnectorThread(int(extra.get("max_queued_saves", 64)))
+        self._thread = ConnectorThread(int(extra.get("max_queued_saves", 64)), ordered=not is_worker)
         self._waits: Counter[str] = Counter()  # counted on vLLM's thread (link.stats: on the connector's)
         atexit.register(self._close)  # an exit without shutdown() (vLLM's engine failed) still runs what is queued
         transfer = self._kv_transfer_config
-        reserve = bool(extra.get("reserve_prompts", True))
+        reserve = bool(extra.get("reserve_pages", True))
         kv_role = Role(transfer.is_kv_consumer, transfer.is_kv_producer, float(extra.get("load_wait_s", 2.0)), reserve)
         self._growth = GrowthSince()  # the counters' growth, for vLLM's metrics (vllm_stats)
         # One object per role, each only in its role.

@@ -89,7 +89,7 @@ class Role:
     loads: bool = True
     saves: bool = True
     load_wait_s: float = 2.0
-    reserve: bool = True  # a new prompt's pages appended right after its lookup (vllm_reserve)
+    reserve: bool = True  # pages appended ahead of their saves, not waited for (vllm_reserve)
 
 
 @dataclass

@@ -1,33 +1,43 @@
-"""A new request's prompt pages appended to its pin right after the lookup (a *reservation*), so that the step
-that saves the prompt waits for no call to kvpool.
+"""Pages appended to a request's sequence ahead of the step that saves into them (a *reservation*), so that no
+step waits for a call to kvpool to save.
 
-A prompt's save needs kvpool pages for its tokens [cached, its full pages) before the step's forward, so that
-every rank writes into the same pages. Appended by that step, the step waited for the call: under load 2-10 ms
-a request, a round trip waiting for a core (session 19's fleet runs, docs/fleet.md). The lookup knows those
-tokens already: right after its create answers, the connector writes the append and goes on, and the answer
-is read with the link's next call (vLLM computes the prompt meanwhile: by the step that saves it, the answer
-has long arrived). The pages are appended without their K/V, so nothing may name the pin's sequence until
-every rank has reported the save written (a step naming it commits them): the scheduler appends nothing
-more to it before then, and releases a pin it never saved into uncommitted.
+A save needs kvpool pages for its tokens before the step's forward, so that every rank writes into the same
+pages. Appended by that step, the step waited for the call: under load 2-10 ms a request, a round trip waiting
+for a core (session 19's fleet runs, docs/fleet.md). Two saves are known a step or more ahead:
+- a new prompt's full pages, right after its lookup's create (vLLM computes the prompt meanwhile);
+- a finished request's last pages (those its decoding filled since its last save), when vLLM reports it finished:
+  the next step saves them, its blocks kept until then.
+The connector writes the append and goes on; the answer is read with the link's next call (by the step that
+saves, it has long arrived). The pages are appended without their K/V, so nothing may name the sequence until
+every rank has reported the save written (a step naming it commits them): the scheduler appends nothing more to
+it before then, and releases one it never saved into uncommitted.
 
-A reservation kvpool refuses (out of pages, over quota) leaves the pin as it was: the save appends then, as
-without one. One whose answer is lost, or made for other tokens than the save's (a preempted request's
-recompute), has its pin released uncommitted, and the save goes to a new sequence.
+The scheduler's commits of written saves and frees of released sequences ride on the same call (a `POST
+/v1/step`: the append, the sequence and the commits listed, the frees; a listed row commits only what it held
+before the step's appends), where each went in a call of its own. Refused whole (out of pages, over quota, a
+sequence gone), nothing of it was applied: the reservation is left undone (the save appends in its step, as
+without one) and the commits and frees go in a call of their own (vllm_saves.free_all). Lost (it may have run):
+the sequence is released uncommitted, the save goes to a new one, and the frees are forgotten (freed uncommitted
+once kvpool answers). Made for other tokens than the save's (a preempted request's recompute): as lost.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
-from service.client.calls import AppendResult, Calls
+from service.client.calls import Calls, StepResult
 from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
+from service.integrations.vllm_saves import free_all
 
 
 @dataclass
 class Reservation:
-    """Tokens [0, end) of the request in its pin's sequence, once the append is made."""
+    """Tokens [start, end) of a request appended to sequence `seq_id` (which held its tokens [0, start))."""
 
+    seq_id: str
+    start: int
     end: int
     state: str = "sent"  # "sent" (not answered yet), "made", "refused" (nothing appended), "lost" (it may have run)
     pages: list[int] = field(default_factory=list)  # the sequence's pages from token 0 through `end`, once made
@@ -35,31 +45,54 @@ class Reservation:
 
     @property
     def unwritten(self) -> bool:
-        """The pin's sequence may hold pages without their K/V (released uncommitted, never committed)."""
+        """The sequence may hold pages without their K/V (released uncommitted, never committed)."""
         return self.state != "refused"
 
 
-def reserve(link: KVPoolLink, seq_id: str, token_ids: list[int], start: int, end: int) -> Reservation | None:
-    """On the link's thread, right after the create that made the pin `seq_id` (tokens [0, start)): tokens
-    [start, end) of `token_ids` appended to it, the answer not waited for. None: nothing to reserve."""
+def reserve(
+    link: KVPoolLink,
+    seq_id: str,
+    token_ids: Sequence[int],
+    start: int,
+    end: int,
+    commit: Sequence[str] = (),
+    free: Sequence[str] = (),
+) -> Reservation | None:
+    """On the link's thread: tokens [start, end) of `token_ids` appended to `seq_id` (holding [0, start)), the
+    answer not waited for, with the sequences `commit` committed and `free` freed in the same call (neither may
+    name `seq_id`). None, with nothing sent: nothing to reserve (the caller keeps its commits and frees)."""
     if end <= start:
         return None
-    reservation = Reservation(end)
+    reservation = Reservation(seq_id, start, end)
+    free = list(free)
+    commit = list(commit)
 
-    def answered(outcome: AppendResult | KVPoolError | httpx.HTTPError) -> None:
+    def answered(outcome: StepResult | KVPoolError | httpx.HTTPError) -> None:
         if isinstance(outcome, KVPoolError):  # (not a fault: the save appends then, and finds out)
             link.stats["reservations_refused"] += 1
             reservation.state = "refused"
-        elif isinstance(outcome, httpx.HTTPError):
-            link.record(outcome)
-            reservation.state = "lost"
-        else:
-            reservation.pages, reservation.instance_id = outcome.block_table, outcome.instance_id or ""
+            free_all(link, free, commit)  # (as if they had not ridden on it)
+            return
+        link.stats["frees"] += len(free)  # (sent, and applied unless lost)
+        link.stats["commits"] += len(commit)
+        if isinstance(outcome, StepResult) and int(outcome.cache_lengths[0]) != start:
+            link.stats["internal_errors"] += 1  # not where the scheduler thought it: never written
+        elif isinstance(outcome, StepResult):
+            num_pages = -(-end // link.page_size)
+            reservation.pages = outcome.lookup_table[0, :num_pages].tolist()
+            reservation.instance_id = outcome.instance_id or ""
             reservation.state = "made"  # (last: the scheduler's thread reads the state first)
+            return
+        else:
+            link.record(outcome)
+            for freed in free:
+                link.forget(freed)
+        reservation.state = "lost"
 
     link.stats["reservations"] += 1
+    call = Calls.step([(seq_id, end - start, list(token_ids[start:end]))], [seq_id, *commit], True, free)
     try:
-        link.client.send_unanswered(Calls.append(seq_id, None, token_ids[start:end], None, None, True), answered)
+        link.client.send_unanswered(call, answered)
     except httpx.HTTPError as exc:  # (the request may have gone out in part)
         answered(exc)
     return reservation

@@ -15,10 +15,9 @@ request whose computed prompt filled more kvpool pages: a prompt prefilled in ch
 token budget, or sharing it) is saved in one append with its last chunk, not one per chunk (each append is a
 call to kvpool that the step waits for). That append is made with the lookup, its answer not waited for
 (vllm_reserve): the prompt's save then needs no call at all. Pages filled while a request decodes ride on a
-call made anyway (a prompt's save whose reservation failed, another request's last step, or finished requests'
-saves) until the step that samples its last token by length (max_tokens), which saves them; a request that
-stops otherwise (a stop token or string) has what is left saved in the step after it finishes (vLLM keeps its
-blocks until they are written). A decoding request thus makes
+call made anyway (a prompt's save whose reservation failed, a finished request's save not reserved) until the
+request finishes: what is left is appended then, its answer not waited for (vllm_reserve), and saved by the
+next step (vLLM keeps its blocks until they are written). A decoding request thus makes
 at most one call of its own, whatever its length, where it made one per page it filled. The scheduler appends
 those pages itself, all of a step's in one call (vllm_saves): to the request's pin, to the sequence of its earlier saves
 once every rank has written those, or else to a sequence created from its token ids (what kvpool holds already
@@ -102,6 +101,7 @@ class Finishing:
     request: "Request"
     end: int
     block_ids: list[int]
+    reserved: Reservation | None = None  # its last pages appended when it finished (vllm_reserve)
 
 
 class KVPoolConnectorScheduler:
@@ -156,6 +156,8 @@ class KVPoolConnectorScheduler:
         # (Its id is never hashed: it starts a page of its own or ends a partial one.)
         lookup_ids = [*token_ids, token_ids[-1]]
         expected = self._announced(request, len(token_ids))
+        reserving = self._role.saves and self._role.reserve
+        commit, frees = self._take_releases() if reserving else ([], [])
 
         def lookup() -> "tuple[SequenceInfo, Reservation | None] | None":
             if not link.usable():
@@ -170,14 +172,16 @@ class KVPoolConnectorScheduler:
                 link.stats["load_wait_polls"] += 1
                 info = link.create(lookup_ids, salt)
             reservation = None
-            if info is not None and self._role.saves and self._role.reserve:  # the pages its save will write
+            if info is not None and reserving:  # the pages its save will write (the commits and frees ride along)
                 full = len(token_ids) // link.page_size * link.page_size
-                reservation = reserve(link, info.seq_id, token_ids, info.cached_tokens, full)
+                reservation = reserve(link, info.seq_id, token_ids, info.cached_tokens, full, commit, frees)
             link.stats["lookups"] += 1  # one per request, however many ranks load it
             link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
             return None if info is None else (info, reservation)
 
         looked_up = self._thread.call(lookup)
+        if looked_up is None or looked_up[1] is None:
+            self._keep_releases(commit, frees)  # (nothing carried them)
         if looked_up is None:
             return None
         info, reservation = looked_up
@@ -220,13 +224,12 @@ class KVPoolConnectorScheduler:
         planned: list[Planned] = []
         block_ids: dict[str, list[int]] = {}
         held: dict[str, Held] = {}  # the held sequences this step's saves append to
-        ready: list[tuple[str, Pin]] = []  # saves into pages reserved with the lookup: no call
+        ready: list[tuple[str, Reservation]] = []  # saves into pages reserved ahead (vllm_reserve): no call
 
-        def plan(req_id: str, end: int, blocks: list[int]) -> None:
+        def plan(req_id: str, end: int, blocks: list[int], reserved: Reservation | None) -> None:
             block_ids[req_id] = blocks[: -(-end // self._block_size)]
-            pin = self._reserved(req_id, end)
-            if pin is not None:
-                ready.append((req_id, pin))
+            if reserved is not None:
+                ready.append((req_id, reserved))
             else:
                 planned.append((req_id, end, self._base(req_id, held)))
 
@@ -242,33 +245,36 @@ class KVPoolConnectorScheduler:
             end = computed // page_size * page_size
             if end <= self._saved.get(req_id, 0):
                 continue
-            # (the step that samples its last token by length saves what it decoded: nothing is left at its finish)
-            final = len(request.output_token_ids) + num_new >= request.max_tokens
-            if request.num_computed_tokens >= request.num_prompt_tokens and not final:
+            if request.num_computed_tokens >= request.num_prompt_tokens:
                 decoded.append((req_id, end))  # (its block ids only if it goes: most steps it waits)
                 continue
             self._saved[req_id] = end
-            plan(req_id, end, list(manager.get_block_ids(req_id)[0]))
+            plan(req_id, end, list(manager.get_block_ids(req_id)[0]), self._reserved(req_id, end))
         finishing, self._finishing = self._finishing, {}
         meta.finish_saved = set(finishing)
-        if planned or finishing:
+        late = []  # finished requests whose last pages were not reserved: appended in this step
+        for req_id, last in finishing.items():
+            reserved = self._finish_reserved(req_id, last)
+            if reserved is not None:
+                plan(req_id, last.end, last.block_ids, reserved)
+            else:
+                late.append((req_id, last))
+        if planned or late:
             for req_id, end in decoded:
                 assert manager is not None  # (decoded only with one)
                 self._saved[req_id] = end
-                plan(req_id, end, list(manager.get_block_ids(req_id)[0]))
-            for req_id, last in finishing.items():
-                plan(req_id, last.end, last.block_ids)
+                plan(req_id, end, list(manager.get_block_ids(req_id)[0]), None)
+            for req_id, last in late:
+                plan(req_id, last.end, last.block_ids, None)
         self._link.stats["saves"] += len(ready)
-        for req_id, pin in ready:
-            assert pin.reserved is not None
-            reserved = pin.reserved
-            self._open_save(meta, SaveJob(0, req_id, pin.seq_id, reserved.instance_id, reserved.pages, pin.cached,
-                                          reserved.end, block_ids[req_id]), req_id not in finishing)  # fmt: skip
+        for req_id, reserved in ready:
+            self._open_save(meta, SaveJob(0, req_id, reserved.seq_id, reserved.instance_id, reserved.pages,
+                                          reserved.start, reserved.end, block_ids[req_id]),
+                            req_id not in finishing)  # fmt: skip
         if not planned:
             self._flush_frees()
             return meta
-        commit, self._to_commit = list(self._to_commit), set()
-        frees, self._to_free = self._to_free, []
+        commit, frees = self._take_releases()
         # The ranks need the pages before the forward: the step waits for the appends (one call for all of
         # them, with the commits of written saves and the frees of finished requests riding along; a create
         # first for a save with no sequence).
@@ -301,27 +307,49 @@ class KVPoolConnectorScheduler:
         if running:
             self._saving.add(job.req_id)
 
-    def _reserved(self, req_id: str, end: int) -> Pin | None:
-        """The request's pin, taken for its save, if its reservation holds exactly tokens [0, end). Otherwise
-        the pin stays for _base: as it was if kvpool refused the reservation; released uncommitted if the
-        reservation is lost or holds other tokens (the save then goes to a new sequence)."""
+    def _reserved(self, req_id: str, end: int) -> Reservation | None:
+        """The reservation made with the request's lookup, its pin taken for the save, if it holds exactly
+        tokens [0, end). Otherwise the pin is left for _base as it was if kvpool refused the reservation, or
+        released uncommitted (_usable)."""
         pin = self._pins.get(req_id)
         if pin is None or pin.reserved is None:
             return None
-        if pin.reserved.state == "sent":
-            self._thread.call(self._link.client.settle)  # (its answer has long arrived: read it now)
-        if pin.reserved.state == "refused":
+        reserved = pin.reserved
+        usable = self._usable(reserved, end)
+        if reserved.state == "refused":
             pin.reserved = None
             return None
         del self._pins[req_id]
         held = self._held.pop(req_id, None)
         if held is not None:  # (a preempted request looked up again)
             self._release(held.seq_id)
-        if pin.reserved.state == "made" and pin.reserved.end == end:
-            return pin
-        self._link.stats["reservations_unused"] += 1
-        self._release(pin.seq_id, commit=False)
-        return None
+        return reserved if usable else None
+
+    def _finish_reserved(self, req_id: str, last: Finishing) -> Reservation | None:
+        """The reservation made when the request finished, if it holds its last pages: its sequence (the
+        request's pin or held one) taken for the save. Refused, the sequence is left for _base."""
+        reserved = last.reserved
+        if reserved is None:
+            return None
+        usable = self._usable(reserved, last.end)
+        if reserved.state == "refused":
+            return None
+        self._pins.pop(req_id, None)
+        self._held.pop(req_id, None)
+        return reserved if usable else None
+
+    def _usable(self, reserved: Reservation, end: int) -> bool:
+        """Its answer read (it has long arrived): True if made for tokens [.., end). Lost, or made for other
+        tokens (a preempted request's recompute), its sequence is released uncommitted (the save goes to a new
+        one)."""
+        if reserved.state == "sent":
+            self._thread.call(self._link.client.settle)
+        if reserved.state == "made" and reserved.end == end:
+            return True
+        if reserved.state != "refused":
+            self._link.stats["reservations_unused"] += 1
+            self._release(reserved.seq_id, commit=False)
+        return False
 
     def _base(self, req_id: str, taken: dict[str, Held]) -> tuple[str, int] | None:
         """The sequence a save of the request appends to and the tokens it holds: the request's pin (handed
@@ -436,10 +464,11 @@ class KVPoolConnectorScheduler:
         saved, page_size = self._saved.pop(req_id, 0), self._link.page_size
         end = request.num_computed_tokens // page_size * page_size if page_size and self._role.saves else 0
         if end > saved:
-            # Pages its decoding filled since its last save (it stopped before its max_tokens): saved by the next
-            # step, appended to its pin or held sequence (_base); vLLM keeps its blocks (`block_ids`: of its
+            # Pages its decoding filled since its last save: saved by the next step, appended now to its pin or
+            # held sequence (vllm_reserve), or by that step (_base); vLLM keeps its blocks (`block_ids`: of its
             # computed tokens) until every rank has written them. Not later: blocks held keep requests waiting.
-            self._finishing[req_id] = Finishing(request, end, list(block_ids))
+            reserved = self._reserve_finish(request, end)
+            self._finishing[req_id] = Finishing(request, end, list(block_ids), reserved)
             self._link.stats["saves_after_finish"] += 1
             self._saving.discard(req_id)
             return True, self._announcement(end)
@@ -455,6 +484,29 @@ class KVPoolConnectorScheduler:
             self._saving.discard(req_id)
             return True, params
         return False, params
+
+    def _reserve_finish(self, request: "Request", end: int) -> Reservation | None:
+        """A finished request's tokens [its sequence's, end) appended to its pin (one never reserved) or held
+        sequence, the answer not waited for (vllm_reserve), the commits and frees riding along; None: nothing sent
+        (the save appends in its step)."""
+        req_id = request.request_id
+        pin, held = self._pins.get(req_id), self._held.get(req_id)
+        if not self._role.reserve or (pin is not None and (held is not None or pin.reserved is not None)):
+            return None
+        base = (pin.seq_id, pin.cached) if pin is not None else (held.seq_id, held.end) if held is not None else None
+        if base is None or base[1] >= end:
+            return None
+        seq_id, start = base
+        listed = seq_id in self._to_commit  # (listed in the call anyway: what it held before is committed)
+        self._to_commit.discard(seq_id)
+        commit, frees = self._take_releases()
+        link, token_ids = self._link, request.all_token_ids
+        reserved = self._thread.call(
+            lambda: reserve(link, seq_id, token_ids, start, end, commit, frees) if link.usable() else None
+        )
+        if reserved is None:
+            self._keep_releases([*commit, seq_id] if listed else commit, frees)
+        return reserved
 
     def _announcement(self, tokens: int) -> dict[str, Any] | None:
         """What a producer's response tells the consumer's request: the tokens kvpool holds or is being
@@ -482,6 +534,11 @@ class KVPoolConnectorScheduler:
         for save in self._open.values():
             self._release(save.seq_id, commit=False)
         self._open.clear()
+        for req_id, last in self._finishing.items():  # (their last pages may be appended: never written)
+            if last.reserved is not None and last.reserved.unwritten:
+                self._pins.pop(req_id, None)
+                self._held.pop(req_id, None)
+                self._release(last.reserved.seq_id, commit=False)
         for held in self._held.values():
             self._release(held.seq_id)  # written by every rank: committed
         self._held.clear()
@@ -519,6 +576,17 @@ class KVPoolConnectorScheduler:
         self._deferred[seq_id] = action
         return True
 
+    def _take_releases(self) -> tuple[list[str], list[str]]:
+        """The written saves' commits and the released sequences' frees waiting for a call, taken for one."""
+        commit, self._to_commit = list(self._to_commit), set()
+        frees, self._to_free = self._to_free, []
+        return commit, frees
+
+    def _keep_releases(self, commit: list[str], frees: list[str]) -> None:
+        """Commits and frees taken for a call not made: waiting again, as they were."""
+        self._to_commit.update(commit)
+        self._to_free[:0] = frees
+
     def _flush_frees(self, now: bool = False) -> None:
         """The written saves' commits and the sequences released since the last step call, in one call of their
         own on the connector's thread (written, its answer read with the link's next call: free_all): at once
@@ -528,8 +596,7 @@ class KVPoolConnectorScheduler:
         if not (self._to_free or self._to_commit):
             return
         if self._to_commit or now or not self._requests or time.monotonic() - self._free_since >= FREE_WAIT_S:
-            frees, self._to_free = self._to_free, []
-            commit, self._to_commit = list(self._to_commit), set()
+            commit, frees = self._take_releases()
             self._submit_release(lambda: free_all(self._link, frees, commit))
 
     def _submit_release(self, fn: Callable[[], None]) -> None:

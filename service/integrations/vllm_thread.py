@@ -7,8 +7,10 @@ one each, all called "kvpool-connector"): every kvpool call and K/V copy of that
   runs on the caller's thread when this one is idle (the scheduler's lookups and appends). Worker
   side: loads (the forward needs them) and saves (vLLM's step goes on while they run, and vLLM keeps a
   finished request's blocks until the connector reports its saves done, in get_finished). Scheduler
-  side: lookups and the appends of saves (waited for), and the releases of pins and saves. At most
-  `max_saves` submitted jobs wait; one more blocks the caller.
+  side (`ordered`: every job in the order given, a waited-for one behind those submitted before it): lookups
+  and the appends of saves (waited for), and the releases of pins and saves (not waited for), which must reach
+  kvpool in order (a commit submitted before a call that frees the same sequence). At most `max_saves`
+  submitted jobs wait; one more blocks the caller.
 - Copies here run on one intra-op thread. vLLM's CPU worker keeps its OpenMP threads for the model;
   a parallel copy in vLLM's step stalls whenever one of those threads is descheduled, and one thread
   already reaches the memory bandwidth of a plain copy there (measured: docs/benchmarks.md, "Figures behind the code").
@@ -27,8 +29,8 @@ T = TypeVar("T")
 
 
 class ConnectorThread:
-    def __init__(self, max_saves: int) -> None:
-        self.max_saves = max_saves
+    def __init__(self, max_saves: int, ordered: bool = False) -> None:
+        self.max_saves, self.ordered = max_saves, ordered
         self._cv = threading.Condition()
         self._loads: deque[Callable[[], None]] = deque()
         self._saves: deque[Callable[[], None]] = deque()
@@ -38,7 +40,8 @@ class ConnectorThread:
         self._thread.start()
 
     def run(self, fn: Callable[[], T]) -> T:
-        """fn() on the thread, ahead of queued saves; waits for it (and re-raises what it raised)."""
+        """fn() on the thread, ahead of queued saves (`ordered`: behind them); waits for it (and re-raises what it
+        raised)."""
         done = threading.Event()
         out: list[T] = []
         err: list[BaseException] = []
@@ -51,7 +54,7 @@ class ConnectorThread:
             finally:
                 done.set()
 
-        self._put(self._loads, job, limit=None)
+        self._put(self._saves if self.ordered else self._loads, job, limit=None)
         done.wait()
         if err:
             raise err[0]

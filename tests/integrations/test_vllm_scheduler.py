@@ -50,7 +50,7 @@ def connected(model_dir: str) -> Iterator[tuple[KVPool, ConnectorThread, KVPoolL
     """A `kvpool serve` with the model's geometry, a connector thread, and a scheduler-side link connected to the
     server; all closed after."""
     server = KVPool(model_dir, PAGE)
-    thread = ConnectorThread(8)
+    thread = ConnectorThread(8, ordered=True)
     link: KVPoolLink | None = None
     try:
         pool = server.pool()
@@ -172,48 +172,41 @@ class Steps:
         return delay
 
 
-def test_decoded_pages_ride_on_a_call_made_anyway_until_the_requests_last_step_or_its_finish(model_dir: str) -> None:
+def saved(meta: KVPoolMetadata) -> list[tuple[str, int, int]]:
+    return [(job.req_id, job.start, job.end) for job in meta.saves]
+
+
+def test_decoded_pages_ride_on_a_call_made_anyway_until_the_request_finishes(model_dir: str) -> None:
+    """Without reservations: a prompt's save is a call of its step, and pages filled by decoding ride on such a
+    call; a request's last pages are saved by the step after it finishes, in a call the step waits for."""
     with connected(model_dir) as (server, thread, link):
-        scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role())
+        scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role(reserve=False))
         steps = Steps(scheduler, 1)
         a = Request("a", tokens(5, 40), SamplingParams(max_tokens=100), None)  # stopped early (a stop token)
         b = Request("b", tokens(6, 50), SamplingParams(max_tokens=17), None)  # runs to its max_tokens
 
-        def saved(meta: KVPoolMetadata) -> list[tuple[str, int, int]]:
-            return [(job.req_id, job.start, job.end) for job in meta.saves]
-
         steps.add(a)
-        assert saved(steps.step()) == [("a", 0, 32)]  # a's prompt: its 2 full pages, reserved with its lookup
+        assert saved(steps.step()) == [("a", 0, 32)]  # a's prompt: its 2 full pages
         quiet = [steps.step() for _ in range(10)]  # a decodes through token 48 (a third page): no call for it
         assert a.num_computed_tokens == 50 and not any(m.saves for m in quiet)
         steps.add(b)
-        assert saved(steps.step()) == [("b", 0, 48)]  # b's prompt, reserved too: no call for a's page to ride on
-        quiet = [steps.step() for _ in range(15)]
-        assert b.num_computed_tokens == 65 and not any(m.saves for m in quiet)  # (b's fourth page: not yet)
-        # b's last step (its 17th token): what it decoded is saved in it, and a's third and fourth pages ride along.
-        assert saved(steps.step()) == [("b", 48, 64), ("a", 32, 64)] and b.num_output_tokens == 17
-        assert steps.finish(b)  # (its saves are being written: vLLM keeps its blocks until then)
-        nothing = steps.step()
-        assert not nothing.saves and not nothing.finish_saved  # b has nothing left to save
+        assert saved(steps.step()) == [("b", 0, 48), ("a", 32, 48)]  # a's third page rides on b's prompt's call
+        quiet = [steps.step() for _ in range(16)]  # (through b's 17th and last token: nothing to ride on)
+        assert b.num_output_tokens == 17 and not any(m.saves for m in quiet)
+        assert steps.finish(b)  # (its last page is to be saved: vLLM keeps its blocks until then)
+        last = steps.step()  # b's last page, and a's fourth riding on its call
+        assert saved(last) == [("a", 48, 64), ("b", 48, 64)] and last.finish_saved == {"b"}
         quiet = [steps.step() for _ in range(17)]
         assert a.num_computed_tokens == 85 and not any(m.saves for m in quiet)  # a's fifth page: not yet
-        assert steps.finish(a)  # stopped before its max_tokens: its last page is saved by the next step
+        assert steps.finish(a)
         last = steps.step()
         assert saved(last) == [("a", 64, 80)] and last.finish_saved == {"a"}
-        assert scheduler.has_pending_push_work()  # a's sequence, released once written: freed by a step call
         assert not steps.step().saves and not scheduler.has_pending_push_work()  # (freed on the thread)
-        settle(thread, link)  # (the frees: sent, and answered, their call counted by the server)
-
-        # Five saves: the two prompts' into pages reserved with their lookups (two appends, not waited for), then
-        # b's last step's and a's finish's in two calls (b's with a's pages: a step call; a's last alone, an append).
-        # The written saves' commits and the frees went in calls of their own, not waited for.
+        settle(thread, link)
         made = calls(server)
-        appends = made["POST /v1/sequences/{seq_id}/append"] - link.stats["reservations"]
-        steps_with_saves = made["POST /v1/step"] - link.stats["free_calls"]
-        assert (link.stats["saves"], steps_with_saves, appends, made["POST /v1/sequences"]) == (5, 1, 1, 2), (
-            made, link.stats,
-        )  # fmt: skip
-        assert link.stats["reservations"] == 2 and link.stats["commits"] >= 2
+        assert link.stats["saves"] == 6 and link.stats.get("reservations", 0) == 0
+        assert made["POST /v1/step"] - link.stats["free_calls"] == 2  # b's prompt and b's last page: a's riding
+        assert made["POST /v1/sequences/{seq_id}/append"] == 2  # a's prompt, a's last page: alone
         with KVPoolClient(server.url) as client:  # kvpool holds a's 80 tokens and b's 64
             assert client.create_sequence("check-a", a.all_token_ids[:81]).cached_tokens == 80
             assert client.create_sequence("check-b", b.all_token_ids[:65]).cached_tokens == 64
@@ -221,6 +214,63 @@ def test_decoded_pages_ride_on_a_call_made_anyway_until_the_requests_last_step_o
             client.free("check-b")
         after = server.pool()
         assert (after["pages_used"], after["num_sequences"]) == (0, 0), after
+
+
+def test_reserved_pages_take_every_save_off_the_steps_and_carry_the_commits_and_frees(model_dir: str) -> None:
+    """With reservations: a prompt's pages are appended right after its lookup, a finished request's last pages
+    when it finishes, neither answer waited for; no step waits for a call to save, and the written saves' commits
+    and the finished requests' frees ride on those appends where they come first."""
+    with connected(model_dir) as (server, thread, link):
+        scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role())
+        steps = Steps(scheduler, 1)
+        a = Request("a", tokens(5, 40), SamplingParams(max_tokens=100), None)
+        b = Request("b", tokens(6, 50), SamplingParams(max_tokens=17), None)
+        c = Request("c", tokens(7, 20), SamplingParams(max_tokens=2), None)
+
+        def step() -> list[tuple[str, int, int]]:
+            """A step's saves: the step waits for no append (a call of commits and frees is not waited for)."""
+            meta = steps.step()
+            assert link.stats.get("append_ns", 0) == 0
+            return saved(meta)
+
+        steps.add(a)
+        assert step() == [("a", 0, 32)]  # into the pages reserved with its lookup
+        assert len(scheduler._to_commit) == 1  # a's prompt: written by every rank, to commit
+        steps.add(b)  # b's lookup: its reservation carries that commit
+        link.client.settle()  # (its answer read: counted)
+        assert not scheduler._to_commit and link.stats["commits"] == 1 and link.stats.get("free_calls", 0) == 0
+        assert step() == [("b", 0, 48)]  # (nothing rides on a reservation: a's decoded pages wait)
+        assert [step() for _ in range(16)] == [[]] * 16  # through b's 17th and last token
+        assert b.num_output_tokens == 17 and a.num_computed_tokens == 57
+        assert steps.finish(b)  # b's last page appended now to its prompt's sequence: vLLM keeps its blocks
+        assert b.request_id in scheduler._finishing and scheduler._finishing["b"].reserved is not None
+        assert step() == [("b", 48, 64)] and steps.scheduler._finishing == {}
+        assert len(scheduler._to_free) == 1  # b's sequence, written: to free (committing)
+        steps.add(c)  # its lookup's reservation carries that free
+        link.client.settle()
+        assert scheduler._to_free == [] and link.stats["frees"] == 1
+        assert step() == [("c", 0, 16)]
+        assert step() == []  # (c's second and last token)
+        steps.finish(c)  # nothing decoded into a new page: its sequence released
+        while a.num_computed_tokens < 81:
+            assert step() == []
+        assert steps.finish(a)  # its third to fifth pages, reserved in one append
+        assert step() == [("a", 32, 80)]
+        while scheduler.has_pending_push_work():
+            assert step() == []
+        settle(thread, link)
+        made = calls(server)
+        assert (link.stats["saves"], link.stats["reservations"]) == (5, 5), link.stats
+        assert made["POST /v1/step"] == 5 + link.stats["free_calls"] and made["POST /v1/sequences"] == 3, made
+        assert made["POST /v1/sequences/{seq_id}/append"] == 0 and made["DELETE /v1/sequences/{seq_id}"] == 0, made
+        with KVPoolClient(server.url) as client:  # kvpool holds a's 80 tokens, b's 64 and c's 16
+            for name, request, cached in (("a", a, 80), ("b", b, 64), ("c", c, 16)):
+                check = client.create_sequence(f"check-{name}", request.all_token_ids[: cached + 1])
+                assert check.cached_tokens == cached, name
+                client.free(f"check-{name}")
+        after = server.pool()
+        assert (after["pages_used"], after["num_sequences"]) == (0, 0), after
+        assert not any(k.startswith("faults") for k in link.stats), link.stats
 
 
 def test_frees_alone_are_not_waited_for_and_a_refused_call_frees_one_at_a_time(model_dir: str) -> None:

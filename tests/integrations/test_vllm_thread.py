@@ -1,5 +1,5 @@
-"""The vLLM connector's worker thread: loads waited for and ahead of queued saves, saves bounded, drained
-and run before the thread stops."""
+"""The vLLM connector's thread: a worker's loads waited for and ahead of queued saves (a scheduler's calls in
+order with its releases), saves bounded, drained and run before the thread stops."""
 
 import threading
 import time
@@ -9,8 +9,11 @@ import pytest
 from service.integrations.vllm_thread import ConnectorThread
 
 
-def test_loads_run_before_queued_saves_and_saves_keep_their_order() -> None:
-    thread = ConnectorThread(max_saves=8)
+@pytest.mark.parametrize("ordered", [False, True], ids=["worker", "scheduler"])
+def test_loads_run_before_queued_saves_unless_ordered_and_saves_keep_their_order(ordered: bool) -> None:
+    """A worker's loads go ahead of its queued saves (the forward waits for them); the scheduler's waited-for
+    calls queue behind the releases submitted before them (`ordered`: kvpool gets them in order)."""
+    thread = ConnectorThread(max_saves=8, ordered=ordered)
     order: list[str] = []
     gate, started = threading.Event(), threading.Event()
     thread.submit(lambda: (started.set(), gate.wait()))  # occupies the thread
@@ -19,12 +22,13 @@ def test_loads_run_before_queued_saves_and_saves_keep_their_order() -> None:
         thread.submit(lambda i=i: order.append(f"save{i}"))
     loaded = threading.Thread(target=lambda: thread.run(lambda: order.append("load")))
     loaded.start()
-    while not thread._loads:  # the load is queued behind the running save, ahead of the queued ones
+    while len(thread._loads) + len(thread._saves) < 4:  # the load queued behind the running save
         time.sleep(0.001)
     gate.set()
     loaded.join()
     thread.drain()
-    assert order == ["load", "save0", "save1", "save2"]
+    saves = ["save0", "save1", "save2"]
+    assert order == ([*saves, "load"] if ordered else ["load", *saves])
     thread.close()
 
 
