@@ -42,7 +42,6 @@ that asked at once would otherwise recompute the prompt (the producer never wait
 
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -52,16 +51,12 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, LoadJob, Pin, Role, SaveJob
+from service.integrations.vllm_releases import Releases
 from service.integrations.vllm_reserve import Reservation, reserve
-from service.integrations.vllm_saves import Append, Appended, append_all, free_all
+from service.integrations.vllm_saves import Append, Appended, append_all
 from service.integrations.vllm_thread import ConnectorThread
 
 LOAD_WAIT_POLL_S = 0.005  # a consumer's lookup asks kvpool again this often while it waits
-# Frees wait this long at most for a step call with saves to ride on while the engine has requests (an engine
-# with none sends them at once): a call of frees alone costs kvpool's server about what a free each did. Not
-# longer: a free may commit its sequence's last written pages, which the next round of a conversation looks
-# up (and 1 s left as many calls of frees alone in the fleet: most go when the engine has no request left).
-FREE_WAIT_S = 0.25
 Planned = tuple[str, int, tuple[str, int] | None]  # a save: request, its tokens [0, end) saved, (sequence, length)
 
 if TYPE_CHECKING:
@@ -127,15 +122,9 @@ class KVPoolConnectorScheduler:
         self._saving: set[str] = set()  # requests given a save: vLLM keeps their blocks until it is done
         self._open: dict[int, OpenSave] = {}
         self._held: dict[str, Held] = {}
-        self._to_commit: set[str] = set()  # held sequences with written pages not committed yet
-        self._to_free: list[str] = []  # sequences released (committing) since the last step call: ride on the next
-        self._free_since = 0.0  # when the oldest of them was released (monotonic)
+        self._releases = Releases(link, thread, waits)  # the commits and frees waiting for a call
         self._finishing: dict[str, Finishing] = {}  # finished requests whose last pages the next step saves
         self._next_save_id = 0
-        # Pins whose loads not every rank has reported yet (rank reports to come), and what to do with each once
-        # they have: a pin released meanwhile (its request finished or was aborted) stays held until then.
-        self._loading: Counter[str] = Counter()
-        self._deferred: dict[str, Callable[[], None]] = {}
         self.worker_stats: Counter[str] = Counter()  # the workers' counters, summed over the ranks
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -157,7 +146,7 @@ class KVPoolConnectorScheduler:
         lookup_ids = [*token_ids, token_ids[-1]]
         expected = self._announced(request, len(token_ids))
         reserving = self._role.saves and self._role.reserve
-        commit, frees = self._take_releases() if reserving else ([], [])
+        commit, frees = self._releases.take() if reserving else ([], [])
 
         def lookup() -> "tuple[SequenceInfo, Reservation | None] | None":
             if not link.usable():
@@ -181,7 +170,7 @@ class KVPoolConnectorScheduler:
 
         looked_up = self._thread.call(lookup)
         if looked_up is None or looked_up[1] is None:
-            self._keep_releases(commit, frees)  # (nothing carried them)
+            self._releases.keep(commit, frees)  # (nothing carried them)
         if looked_up is None:
             return None
         info, reservation = looked_up
@@ -215,11 +204,11 @@ class KVPoolConnectorScheduler:
         meta = KVPoolMetadata(loads=self._loads)
         self._loads = []
         for load in meta.loads:
-            self._loading[load.pin_id] += self._num_ranks
+            self._releases.loading(load.pin_id, self._num_ranks)
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
         page_size = self._link.page_size
         if not page_size or not self._role.saves:
-            self._flush_frees()
+            self._releases.flush(bool(self._requests))
             return meta
         planned: list[Planned] = []
         block_ids: dict[str, list[int]] = {}
@@ -272,21 +261,23 @@ class KVPoolConnectorScheduler:
                                           reserved.start, reserved.end, block_ids[req_id]),
                             req_id not in finishing)  # fmt: skip
         if not planned:
-            self._flush_frees()
+            self._releases.flush(bool(self._requests))
             return meta
-        commit, frees = self._take_releases()
+        commit, frees = self._releases.take()
         # The ranks need the pages before the forward: the step waits for the appends (one call for all of
         # them, with the commits of written saves and the frees of finished requests riding along; a create
         # first for a save with no sequence).
         kept = {h.seq_id for h in held.values()}
         requests = {req_id: self._requests.get(req_id) or finishing[req_id].request for req_id, _, _ in planned}
         appended = self._thread.call(lambda: self._append(planned, requests, commit, kept, frees))
-        self._flush_frees()  # (those that found no call to ride on: off the step, on the connector's thread)
+        self._releases.flush(
+            bool(self._requests)
+        )  # (those that found no call to ride on: off the step, on the connector's thread)
         if appended is None:  # kvpool unusable now: no save this step; the held sequences stay held
-            self._to_commit.update(commit)
+            self._releases.keep(commit, [])
             for req_id, seq in held.items():
                 if req_id in finishing:
-                    self._release(seq.seq_id)  # a finished request's: nothing appends to it any more
+                    self._releases.release(seq.seq_id)  # a finished request's: nothing appends to it any more
                 else:
                     self._held[req_id] = seq
             return meta
@@ -322,7 +313,7 @@ class KVPoolConnectorScheduler:
         del self._pins[req_id]
         held = self._held.pop(req_id, None)
         if held is not None:  # (a preempted request looked up again)
-            self._release(held.seq_id)
+            self._releases.release(held.seq_id)
         return reserved if usable else None
 
     def _finish_reserved(self, req_id: str, last: Finishing) -> Reservation | None:
@@ -348,7 +339,7 @@ class KVPoolConnectorScheduler:
             return True
         if reserved.state != "refused":
             self._link.stats["reservations_unused"] += 1
-            self._release(reserved.seq_id, commit=False)
+            self._releases.release(reserved.seq_id, commit=False)
         return False
 
     def _base(self, req_id: str, taken: dict[str, Held]) -> tuple[str, int] | None:
@@ -359,7 +350,7 @@ class KVPoolConnectorScheduler:
         pin, held = self._pins.pop(req_id, None), self._held.pop(req_id, None)
         if pin is not None:
             if held is not None:  # (a preempted request looked up again)
-                self._release(held.seq_id)
+                self._releases.release(held.seq_id)
             return pin.seq_id, pin.cached
         if held is None:
             return None
@@ -382,8 +373,8 @@ class KVPoolConnectorScheduler:
         if not link.usable():
             for _, _, base in planned:
                 if base is not None and base[0] not in kept:  # a pin: released once kvpool answers again
-                    self._after_loads(base[0], partial(link.forget, base[0]))
-            self._hand_back(frees)
+                    self._releases.after_loads(base[0], partial(link.forget, base[0]))
+            self._releases.hand_back(frees)
             return None
         items: list[Append] = []
         for req_id, end, base in planned:
@@ -399,15 +390,9 @@ class KVPoolConnectorScheduler:
                 continue
             items.append(Append(req_id, seq_id, start, end, list(request.all_token_ids[start:end])))
         if not items:
-            self._hand_back(frees)
+            self._releases.hand_back(frees)
             return []
         return append_all(link, items, commit, frees)
-
-    def _hand_back(self, frees: list[str]) -> None:
-        """Frees that found no call to ride on: the next _flush_frees sends them at once (they have waited)."""
-        if frees:
-            self._to_free[:0] = frees
-            self._free_since = 0.0
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """The ranks' reports of this step (summed over them): commit each save every rank has written."""
@@ -416,12 +401,7 @@ class KVPoolConnectorScheduler:
             return
         self.worker_stats.update(meta.stats)
         for pin_id, ranks in meta.loaded.items():  # (first: a save that follows a load reports no earlier)
-            self._loading[pin_id] -= ranks
-            if self._loading[pin_id] <= 0:
-                del self._loading[pin_id]
-                deferred = self._deferred.pop(pin_id, None)
-                if deferred is not None:
-                    deferred()
+            self._releases.loaded(pin_id, ranks)
         for save_id in set(meta.written) | set(meta.failed):
             save = self._open.get(save_id)
             if save is None:
@@ -433,20 +413,20 @@ class KVPoolConnectorScheduler:
             del self._open[save_id]
             if save.failed:
                 self._link.stats["saves_discarded"] += 1
-                self._release(save.seq_id, commit=False)
+                self._releases.release(save.seq_id, commit=False)
                 continue
             self._link.stats["saved_tokens"] += save.tokens
             held = self._held.get(save.req_id)
             if save.req_id not in self._requests or (held is not None and held.end > save.end):
-                self._release(save.seq_id)  # finished, or a later save of it was reported first
+                self._releases.release(save.seq_id)  # finished, or a later save of it was reported first
                 continue
             if held is not None:
-                self._release(held.seq_id)
+                self._releases.release(held.seq_id)
             # Held for the request's next save, which appends to it. Its pages are committed by the next step call
             # of this engine's saves (which lists it) or when the request finishes, whichever comes first: a call
             # of its own would cost more than the save it follows, for a request that finishes soon.
             self._held[save.req_id] = Held(save.seq_id, save.end)
-            self._to_commit.add(save.seq_id)
+            self._releases.to_commit.add(save.seq_id)
 
     def pending_saves(self) -> int:
         """Saves that not every rank has reported yet."""
@@ -456,7 +436,7 @@ class KVPoolConnectorScheduler:
         """Saves wait for their ranks' reports, and released sequences for the next step call that frees them:
         and so do finished requests' last pages for the step that saves them: an engine that would go idle keeps
         stepping until they are done."""
-        return bool(self._open or self._to_free or self._finishing)
+        return bool(self._open or self._releases.to_free or self._finishing)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -474,10 +454,10 @@ class KVPoolConnectorScheduler:
             return True, self._announcement(end)
         pin = self._pins.pop(req_id, None)
         if pin is not None:  # (if kvpool restarted meanwhile, the pin went with it)
-            self._release_pin(pin)
+            self._releases.release_pin(pin)
         held = self._held.pop(req_id, None)
         if held is not None:
-            self._release(held.seq_id)  # its pages are written: committed
+            self._releases.release(held.seq_id)  # its pages are written: committed
         params = self._announcement(saved)
         # A request given saves keeps its blocks until every rank's get_finished says they are copied.
         if req_id in self._saving:
@@ -497,15 +477,15 @@ class KVPoolConnectorScheduler:
         if base is None or base[1] >= end:
             return None
         seq_id, start = base
-        listed = seq_id in self._to_commit  # (listed in the call anyway: what it held before is committed)
-        self._to_commit.discard(seq_id)
-        commit, frees = self._take_releases()
+        listed = seq_id in self._releases.to_commit  # (listed in the call anyway: what it held before is committed)
+        self._releases.to_commit.discard(seq_id)
+        commit, frees = self._releases.take()
         link, token_ids = self._link, request.all_token_ids
         reserved = self._thread.call(
             lambda: reserve(link, seq_id, token_ids, start, end, commit, frees) if link.usable() else None
         )
         if reserved is None:
-            self._keep_releases([*commit, seq_id] if listed else commit, frees)
+            self._releases.keep([*commit, seq_id] if listed else commit, frees)
         return reserved
 
     def _announcement(self, tokens: int) -> dict[str, Any] | None:
@@ -527,83 +507,20 @@ class KVPoolConnectorScheduler:
     def discard_open_saves(self) -> None:
         """At shutdown: saves not reported by every rank are released uncommitted (and pins whose loads were
         not reported, as asked)."""
-        self._loading.clear()
-        for deferred in list(self._deferred.values()):
-            deferred()
-        self._deferred.clear()
+        self._releases.shutdown()
         for save in self._open.values():
-            self._release(save.seq_id, commit=False)
+            self._releases.release(save.seq_id, commit=False)
         self._open.clear()
         for req_id, last in self._finishing.items():  # (their last pages may be appended: never written)
             if last.reserved is not None and last.reserved.unwritten:
                 self._pins.pop(req_id, None)
                 self._held.pop(req_id, None)
-                self._release(last.reserved.seq_id, commit=False)
+                self._releases.release(last.reserved.seq_id, commit=False)
         for held in self._held.values():
-            self._release(held.seq_id)  # written by every rank: committed
+            self._releases.release(held.seq_id)  # written by every rank: committed
         self._held.clear()
         for pin in self._pins.values():  # (requests never saved into them; finishing ones' last pages unsaved)
-            self._release_pin(pin)
+            self._releases.release_pin(pin)
         self._pins.clear()
         self._finishing.clear()
-        self._flush_frees(now=True)
-
-    def _release(self, seq_id: str, commit: bool = True) -> None:
-        """Free a sequence: on a later step call (its pages committed), the next with saves or one of frees
-        alone that _flush_frees sends; commit=False: now, on the connector's thread, its pages not committed
-        yet released uncommitted. vLLM's scheduler does not wait for either. A pin whose loads not every rank has
-        reported is released once they have."""
-        if self._after_loads(seq_id, partial(self._release, seq_id, commit)):
-            return
-        self._to_commit.discard(seq_id)
-        if commit:
-            if not self._to_free:
-                self._free_since = time.monotonic()
-            self._to_free.append(seq_id)
-        else:
-            self._submit_release(lambda: self._link.discard(seq_id))
-
-    def _release_pin(self, pin: Pin) -> None:
-        """A pin never saved into: committing (it holds cached pages only), or uncommitted where pages were reserved
-        in it (their K/V never written)."""
-        self._release(pin.seq_id, commit=pin.reserved is None or not pin.reserved.unwritten)
-
-    def _after_loads(self, seq_id: str, action: Callable[[], None]) -> bool:
-        """Defer `action` (releasing the pin `seq_id`) until every rank has reported its loads from it: True if
-        deferred. Until then its pages stay held, so that none is reused while a rank copies from it."""
-        if self._loading.get(seq_id, 0) <= 0:
-            return False
-        self._deferred[seq_id] = action
-        return True
-
-    def _take_releases(self) -> tuple[list[str], list[str]]:
-        """The written saves' commits and the released sequences' frees waiting for a call, taken for one."""
-        commit, self._to_commit = list(self._to_commit), set()
-        frees, self._to_free = self._to_free, []
-        return commit, frees
-
-    def _keep_releases(self, commit: list[str], frees: list[str]) -> None:
-        """Commits and frees taken for a call not made: waiting again, as they were."""
-        self._to_commit.update(commit)
-        self._to_free[:0] = frees
-
-    def _flush_frees(self, now: bool = False) -> None:
-        """The written saves' commits and the sequences released since the last step call, in one call of their
-        own on the connector's thread (written, its answer read with the link's next call: free_all): at once
-        where a save is to commit (another request may look its prefix up: they rode on the next prompt's save
-        until its pages were reserved with the lookup), else when the engine has no request left, when the
-        oldest free has waited FREE_WAIT_S for a saves call, or `now`."""
-        if not (self._to_free or self._to_commit):
-            return
-        if self._to_commit or now or not self._requests or time.monotonic() - self._free_since >= FREE_WAIT_S:
-            commit, frees = self._take_releases()
-            self._submit_release(lambda: free_all(self._link, frees, commit))
-
-    def _submit_release(self, fn: Callable[[], None]) -> None:
-        def release() -> None:
-            began = time.perf_counter_ns()
-            fn()
-            self._link.stats["release_ns"] += time.perf_counter_ns() - began
-
-        if self._thread.submit(release):
-            self._waits["release_queue_full"] += 1
+        self._releases.flush(bool(self._requests), now=True)

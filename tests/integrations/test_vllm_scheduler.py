@@ -235,20 +235,20 @@ def test_reserved_pages_take_every_save_off_the_steps_and_carry_the_commits_and_
 
         steps.add(a)
         assert step() == [("a", 0, 32)]  # into the pages reserved with its lookup
-        assert len(scheduler._to_commit) == 1  # a's prompt: written by every rank, to commit
+        assert len(scheduler._releases.to_commit) == 1  # a's prompt: written by every rank, to commit
         steps.add(b)  # b's lookup: its reservation carries that commit
         link.client.settle()  # (its answer read: counted)
-        assert not scheduler._to_commit and link.stats["commits"] == 1 and link.stats.get("free_calls", 0) == 0
+        assert not scheduler._releases.to_commit and link.stats["commits"] == 1 and link.stats.get("free_calls", 0) == 0
         assert step() == [("b", 0, 48)]  # (nothing rides on a reservation: a's decoded pages wait)
         assert [step() for _ in range(16)] == [[]] * 16  # through b's 17th and last token
         assert b.num_output_tokens == 17 and a.num_computed_tokens == 57
         assert steps.finish(b)  # b's last page appended now to its prompt's sequence: vLLM keeps its blocks
         assert b.request_id in scheduler._finishing and scheduler._finishing["b"].reserved is not None
         assert step() == [("b", 48, 64)] and steps.scheduler._finishing == {}
-        assert len(scheduler._to_free) == 1  # b's sequence, written: to free (committing)
+        assert len(scheduler._releases.to_free) == 1  # b's sequence, written: to free (committing)
         steps.add(c)  # its lookup's reservation carries that free
         link.client.settle()
-        assert scheduler._to_free == [] and link.stats["frees"] == 1
+        assert scheduler._releases.to_free == [] and link.stats["frees"] == 1
         assert step() == [("c", 0, 16)]
         assert step() == []  # (c's second and last token)
         steps.finish(c)  # nothing decoded into a new page: its sequence released
