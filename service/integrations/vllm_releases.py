@@ -60,16 +60,18 @@ class Releases:
         self._deferred[seq_id] = action
         return True
 
-    def release(self, seq_id: str, commit: bool = True) -> None:
+    def release(self, seq_id: str, commit: bool = True, at_once: bool = False) -> None:
         """Free a sequence: on a later call (its pages committed), the next the scheduler makes anyway or one of
-        frees alone that flush sends; commit=False: now, on the connector's thread, its pages not committed
-        yet released uncommitted. vLLM's scheduler does not wait for either. A pin whose loads not every rank has
-        reported is released once they have."""
-        if self.after_loads(seq_id, partial(self.release, seq_id, commit)):
+        frees alone that flush sends (`at_once`: the next flush sends it, as it does a commit); commit=False: now,
+        on the connector's thread, its pages not committed yet released uncommitted. vLLM's scheduler does not
+        wait for either. A pin whose loads not every rank has reported is released once they have."""
+        if self.after_loads(seq_id, partial(self.release, seq_id, commit, at_once)):
             return
         self.to_commit.discard(seq_id)
         if commit:
-            if not self.to_free:
+            if at_once:
+                self._free_since = 0.0  # (as if it had waited FREE_WAIT_S)
+            elif not self.to_free:
                 self._free_since = time.monotonic()
             self.to_free.append(seq_id)
         else:

@@ -26,8 +26,9 @@ layers), vllm_worker. Each rank reports each save written or failed (KVPoolWorke
 by vLLM's KVOutputAggregator). Once every rank has reported a save: when one could not write, the scheduler
 releases its sequence uncommitted (`commit=false`); when all did, it commits the pages (the next step's call
 lists the sequence, and the request's next save appends to it) and frees the sequence when the request
-finishes. A page thus enters the prefix cache only once all of its KV heads and layers are written, and its
-pages are never released while a rank may still be writing them. A rank that dies never reports: its saves
+finishes, or frees it at once, committing, where the request cannot fill another page (its max_tokens). A page
+thus enters the prefix cache only once all of its KV heads and layers are written, and its pages are never
+released while a rank may still be writing them. A rank that dies never reports: its saves
 stay uncommitted, and kvpool frees them when vLLM shuts the connector down (or holds them, if the engine dies
 with them). A request given saves keeps its blocks after it finishes until every rank reports its saves done
 (get_finished, summed the same way by vLLM).
@@ -422,11 +423,21 @@ class KVPoolConnectorScheduler:
                 continue
             if held is not None:
                 self._releases.release(held.seq_id)
-            # Held for the request's next save, which appends to it. Its pages are committed by the next step call
-            # of this engine's saves (which lists it) or when the request finishes, whichever comes first: a call
-            # of its own would cost more than the save it follows, for a request that finishes soon.
+            if self._fills_no_page(self._requests[save.req_id], save.end):
+                # Nothing will append to it: freed now, the free committing its pages (one call, not a commit
+                # and a free), by the next call as a commit would be (another request may look them up).
+                self._releases.release(save.seq_id, at_once=True)
+                continue
+            # Held for the request's next save, which appends to it; its pages are committed by the next call.
             self._held[save.req_id] = Held(save.seq_id, save.end)
             self._releases.to_commit.add(save.seq_id)
+
+    def _fills_no_page(self, request: "Request", end: int) -> bool:
+        """True if the request cannot fill another kvpool page past `end` before it ends: the most tokens it
+        computes are its prompt and all of its max_tokens but the last (sampled, never computed)."""
+        page_size = self._link.page_size
+        most = request.num_prompt_tokens + (request.max_tokens or 1) - 1
+        return bool(page_size) and most // page_size * page_size <= end
 
     def pending_saves(self) -> int:
         """Saves that not every rank has reported yet."""

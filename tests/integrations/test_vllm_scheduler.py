@@ -219,7 +219,8 @@ def test_decoded_pages_ride_on_a_call_made_anyway_until_the_request_finishes(mod
 def test_reserved_pages_take_every_save_off_the_steps_and_carry_the_commits_and_frees(model_dir: str) -> None:
     """With reservations: a prompt's pages are appended right after its lookup, a finished request's last pages
     when it finishes, neither answer waited for; no step waits for a call to save, and the written saves' commits
-    and the finished requests' frees ride on those appends where they come first."""
+    and the finished requests' frees ride on those appends where they come first. A request that cannot fill
+    another page has its written save freed (committing) rather than held."""
     with connected(model_dir) as (server, thread, link):
         scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role())
         steps = Steps(scheduler, 1)
@@ -250,8 +251,15 @@ def test_reserved_pages_take_every_save_off_the_steps_and_carry_the_commits_and_
         link.client.settle()
         assert scheduler._releases.to_free == [] and link.stats["frees"] == 1
         assert step() == [("c", 0, 16)]
-        assert step() == []  # (c's second and last token)
-        steps.finish(c)  # nothing decoded into a new page: its sequence released
+        # c cannot fill another page (20 + 2 - 1 tokens at most): its written save is to be freed, not held
+        assert "c" not in scheduler._held and len(scheduler._releases.to_free) == 1
+        free_calls, commits = link.stats.get("free_calls", 0), link.stats["commits"]
+        assert step() == []  # (c's second and last token) the free goes with this step, as a commit would
+        settle(thread, link)
+        assert scheduler._releases.to_free == [] and link.stats["free_calls"] == free_calls + 1
+        assert link.stats["commits"] == commits  # (the free committed c's page: no commit of its own)
+        steps.finish(c)  # nothing to save or free
+        assert not scheduler._releases.to_free
         while a.num_computed_tokens < 81:
             assert step() == []
         assert steps.finish(a)  # its third to fifth pages, reserved in one append
