@@ -97,7 +97,7 @@ class Releases:
         """Frees taken for a call that found nothing to send them with: the next flush sends them at once (they
         have waited)."""
         if frees:
-            self.to_free[:0] = frees
+            self.keep([], frees)
             self._free_since = 0.0
 
     def flush(self, busy: bool, now: bool = False) -> None:

@@ -271,9 +271,8 @@ class KVPoolConnectorScheduler:
         kept = {h.seq_id for h in held.values()}
         requests = {req_id: self._requests.get(req_id) or finishing[req_id].request for req_id, _, _ in planned}
         appended = self._thread.call(lambda: self._append(planned, requests, commit, kept, frees))
-        self._releases.flush(
-            bool(self._requests)
-        )  # (those that found no call to ride on: off the step, on the connector's thread)
+        # (those that found no call to ride on: off the step, on the connector's thread)
+        self._releases.flush(bool(self._requests))
         if appended is None:  # kvpool unusable now: no save this step; the held sequences stay held
             self._releases.keep(commit, [])
             for req_id, seq in held.items():
