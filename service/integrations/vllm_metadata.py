@@ -1,8 +1,9 @@
-"""What vLLM's scheduler-side connector hands its worker side each step, and the model's KV geometry."""
+"""What vLLM's scheduler-side connector hands its worker side each step, the records the scheduler side keeps
+(vllm_scheduler), and the model's KV geometry."""
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from vllm.config import VllmConfig
@@ -11,6 +12,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from service.integrations.kvpool_link import Geometry
 from service.integrations.vllm_reserve import Reservation
 from service.wire.dtypes import dtype_name
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 # KV-cache dtypes the connector copies: the model's own ("auto"), or vLLM's FP8 caches, held by kvpool's FP8
 # pools of the same format (vLLM's per-layer k_scale / v_scale written as the pages' scales: vllm_blockmap).
@@ -101,6 +105,38 @@ class Pin:
     instance_id: str  # the server instance the pin was made on (whose pool holds its pages)
     start: int = 0  # tokens vLLM had locally when it asked
     reserved: Reservation | None = None  # the prompt's pages appended to it after the lookup (vllm_reserve)
+
+
+@dataclass
+class OpenSave:
+    """A save whose ranks have not all reported yet: its sequence holds the appended pages, uncommitted."""
+
+    seq_id: str
+    tokens: int  # tokens appended (committed once every rank has written them)
+    req_id: str
+    end: int  # the sequence's length after the append: tokens [0, end) of the request
+    written: int = 0  # ranks that wrote their part
+    failed: int = 0  # ranks that could not
+
+
+@dataclass
+class Held:
+    """The sequence of a running request's last save, written by every rank: the request's next save appends
+    to it (no create, no free in between); freed, committing, when the request finishes."""
+
+    seq_id: str
+    end: int  # tokens [0, end) of the request
+
+
+@dataclass
+class Finishing:
+    """A finished request whose last pages, tokens [kvpool's, end), the next step saves; vLLM keeps its blocks
+    (`block_ids`) until every rank has written them."""
+
+    request: "Request"
+    end: int
+    block_ids: list[int]
+    reserved: Reservation | None = None  # its last pages appended when it finished (vllm_reserve)
 
 
 def model_geometry(vllm_config: VllmConfig) -> Geometry:

@@ -2,11 +2,16 @@
 written saves it commits, and the pins it may not release yet.
 
 None of it makes the step wait. A sequence released committing (its pages written by every rank, or
-cached only) and a save to commit wait for the next call the scheduler makes anyway (a step's appends, a
-reservation: vllm_saves, vllm_reserve) and ride on it; those that find none are sent in one call of
-their own on the connector's thread (flush). A sequence released uncommitted (pages reserved or appended but
-never written) goes at once, on that thread. A pin whose loads not every rank has reported stays held
-until they have: none of its pages is reused while a rank copies from it.
+cached only) and a written save to commit wait for the next call the scheduler makes anyway (a step's
+appends, a reservation: vllm_saves, vllm_reserve) and ride on it; those that find none within FREE_WAIT_S,
+or once the engine has no request left, are sent in one call of their own on the connector's thread
+(flush). A running request's save to commit most often rides on the append of its own last pages when it
+finishes (which commits what its sequence held before): in a conversation, the pages are looked up by its
+next round, which comes after the answer. The free of a save whose request cannot fill another page (it
+has no later append of its own to ride on) goes with the next flush, as commits did until session 21. A
+sequence released uncommitted (pages reserved or appended but never written) goes at once, on that thread.
+A pin whose loads not every rank has reported stays held until they have: none of its pages is reused while
+a rank copies from it.
 """
 
 import time
@@ -19,10 +24,11 @@ from service.integrations.vllm_metadata import Pin
 from service.integrations.vllm_saves import free_all
 from service.integrations.vllm_thread import ConnectorThread
 
-# Frees wait this long at most for a step call with saves to ride on while the engine has requests (an engine
-# with none sends them at once): a call of frees alone costs kvpool's server about what a free each did. Not
-# longer: a free may commit its sequence's last written pages, which the next round of a conversation looks
-# up (and 1 s left as many calls of frees alone in the fleet: most go when the engine has no request left).
+# Frees and commits wait this long at most for a step call to ride on while the engine has requests (an engine
+# with none sends them at once): a call of its own costs kvpool's server about what a step call does. Not
+# longer: another request may look up the pages they commit (a burst sharing a new prefix, on another engine;
+# commits waiting for their request's finish lost hits on the fleet's bench in session 19, and 1 s left as
+# many calls of frees alone: most go when the engine has no request left).
 FREE_WAIT_S = 0.25
 
 
@@ -31,9 +37,10 @@ class Releases:
 
     def __init__(self, link: KVPoolLink, thread: ConnectorThread, waits: Counter[str]) -> None:
         self._link, self._thread, self._waits = link, thread, waits
-        self.to_commit: set[str] = set()  # held sequences with written pages not committed yet
+        self.to_commit: set[str] = set()  # held sequences with written pages not committed yet (commit())
         self.to_free: list[str] = []  # sequences released (committing) since the last call: ride on the next
-        self._free_since = 0.0  # when the oldest of them was released (monotonic)
+        self._since = 0.0  # when the oldest of both began to wait (monotonic)
+        self.wait_s = FREE_WAIT_S
         # Pins whose loads not every rank has reported yet (rank reports to come), and what to do with each once
         # they have: a pin released meanwhile (its request finished or was aborted) stays held until then.
         self._loading: Counter[str] = Counter()
@@ -62,20 +69,29 @@ class Releases:
 
     def release(self, seq_id: str, commit: bool = True, at_once: bool = False) -> None:
         """Free a sequence: on a later call (its pages committed), the next the scheduler makes anyway or one of
-        frees alone that flush sends (`at_once`: the next flush sends it, as it does a commit); commit=False: now,
-        on the connector's thread, its pages not committed yet released uncommitted. vLLM's scheduler does not
-        wait for either. A pin whose loads not every rank has reported is released once they have."""
+        its own that flush sends (`at_once`: the next flush sends it, with whatever waits); commit=False: now, on
+        the connector's thread, its pages not committed yet released uncommitted. vLLM's scheduler does not wait
+        for either. A pin whose loads not every rank has reported is released once they have."""
         if self.after_loads(seq_id, partial(self.release, seq_id, commit, at_once)):
             return
         self.to_commit.discard(seq_id)
         if commit:
+            self._waiting()
             if at_once:
-                self._free_since = 0.0  # (as if it had waited FREE_WAIT_S)
-            elif not self.to_free:
-                self._free_since = time.monotonic()
+                self._since = 0.0  # (as if it had waited FREE_WAIT_S)
             self.to_free.append(seq_id)
         else:
             self._submit(lambda: self._link.discard(seq_id))
+
+    def commit(self, seq_id: str) -> None:
+        """Commit the written pages of a sequence kept held (a running request's save, which its next save or the
+        append of its last pages commits, if no call did before): on a later call, as a free is sent."""
+        self._waiting()
+        self.to_commit.add(seq_id)
+
+    def _waiting(self) -> None:
+        if not (self.to_free or self.to_commit):
+            self._since = time.monotonic()
 
     def release_pin(self, pin: Pin) -> None:
         """A pin never saved into: committing (it holds cached pages only), or uncommitted where pages were reserved
@@ -98,16 +114,15 @@ class Releases:
         have waited)."""
         if frees:
             self.keep([], frees)
-            self._free_since = 0.0
+            self._since = 0.0
 
     def flush(self, busy: bool, now: bool = False) -> None:
         """What waits, in one call of its own on the connector's thread (written, its answer read with the link's
-        next call: free_all): at once where a save is to commit (another request may look its prefix up), else
-        when the engine is not `busy` (has no request left), when the oldest free has waited FREE_WAIT_S for a
-        call to ride on, or `now`."""
+        next call: free_all): when the engine is not `busy` (has no request left), when the oldest free or commit
+        has waited `wait_s` (FREE_WAIT_S) for a call to ride on, or `now`."""
         if not (self.to_free or self.to_commit):
             return
-        if self.to_commit or now or not busy or time.monotonic() - self._free_since >= FREE_WAIT_S:
+        if now or not busy or time.monotonic() - self._since >= self.wait_s:
             commit, frees = self.take()
             self._submit(lambda: free_all(self._link, frees, commit))
 

@@ -1,14 +1,11 @@
 """The scheduler side of KVPoolConnector (vllm.py): pins a new request's cached prefix, plans the steps and
 commits what every rank has saved.
 
-A new request's token ids create a kvpool sequence (the *pin*): its block table is the cached prefix,
-held (not evictable) until its first save, or until the request finishes or is aborted, and in any case
-until every rank has reported its loads from it (KVPoolWorkerMeta.loaded): a rank copies its pages without
-asking kvpool again, having checked only that the pin was made on the instance whose pool it maps. The hit answered
-is every token of that prefix but the prompt's last (vLLM computes at least one token): one call per
-request, however many ranks load it. The lookup sends one token more than the prompt, so that kvpool, which
-never matches a prompt's last token, may match the page holding it; the loads then end inside a vLLM block
-(vLLM allows a partial last block).
+A new request's lookup creates its *pin* (vllm_lookup): a kvpool sequence whose block table is the cached
+prefix, held until every rank has reported its loads from it (KVPoolWorkerMeta.loaded): a rank copies its pages
+without asking kvpool again, having checked only that the pin was made on the instance whose pool it maps. The
+hit answered is every token of that prefix but the prompt's last (vLLM computes at least one token): one call
+per request, however many ranks load it.
 
 Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated for a hit and a save for every
 request whose computed prompt filled more kvpool pages: a prompt prefilled in chunks (longer than the step's
@@ -33,17 +30,10 @@ stay uncommitted, and kvpool frees them when vLLM shuts the connector down (or h
 with them). A request given saves keeps its blocks after it finishes until every rank reports its saves done
 (get_finished, summed the same way by vLLM).
 
-Roles (vLLM's kv_role): a kv_producer only saves, a kv_consumer only loads, kv_both does both. A saving
-engine's finished request carries kv_transfer_params {"kvpool_tokens": the tokens of it kvpool holds or
-a save is writing, "kvpool_instance"}; a proxy that hands them to the consumer's request (as vLLM's
-disaggregated-serving proxies do) makes the consumer's lookup wait, up to `load_wait_s`, until kvpool
-holds that many of the prompt's tokens: the producer's saves land after its response, and a consumer
-that asked at once would otherwise recompute the prompt (the producer never waits for its saves).
+Roles (vLLM's kv_role) and what a producer announces to a consumer's lookup: vllm_lookup.
 """
 
-import time
 from collections import Counter
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -51,53 +41,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from service.integrations.kvpool_link import KVPoolLink
-from service.integrations.vllm_metadata import KVPoolMetadata, KVPoolWorkerMeta, LoadJob, Pin, Role, SaveJob
+from service.integrations.vllm_lookup import announced, announcement, look_up
+from service.integrations.vllm_metadata import (
+    Finishing,
+    Held,
+    KVPoolMetadata,
+    KVPoolWorkerMeta,
+    LoadJob,
+    OpenSave,
+    Pin,
+    Role,
+    SaveJob,
+)
 from service.integrations.vllm_releases import Releases
 from service.integrations.vllm_reserve import Reservation, reserve
 from service.integrations.vllm_saves import Append, Appended, append_all
 from service.integrations.vllm_thread import ConnectorThread
 
-LOAD_WAIT_POLL_S = 0.005  # a consumer's lookup asks kvpool again this often while it waits
 Planned = tuple[str, int, tuple[str, int] | None]  # a save: request, its tokens [0, end) saved, (sequence, length)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-    from service.client import SequenceInfo
-
-
-@dataclass
-class OpenSave:
-    """A save whose ranks have not all reported yet: its sequence holds the appended pages, uncommitted."""
-
-    seq_id: str
-    tokens: int  # tokens appended (committed once every rank has written them)
-    req_id: str
-    end: int  # the sequence's length after the append: tokens [0, end) of the request
-    written: int = 0  # ranks that wrote their part
-    failed: int = 0  # ranks that could not
-
-
-@dataclass
-class Held:
-    """The sequence of a running request's last save, written by every rank: the request's next save appends
-    to it (no create, no free in between); freed, committing, when the request finishes."""
-
-    seq_id: str
-    end: int  # tokens [0, end) of the request
-
-
-@dataclass
-class Finishing:
-    """A finished request whose last pages, tokens [kvpool's, end), the next step saves; vLLM keeps its blocks
-    (`block_ids`) until every rank has written them."""
-
-    request: "Request"
-    end: int
-    block_ids: list[int]
-    reserved: Reservation | None = None  # its last pages appended when it finished (vllm_reserve)
 
 
 class KVPoolConnectorScheduler:
@@ -142,34 +108,13 @@ class KVPoolConnectorScheduler:
 
     def _pin(self, request: "Request") -> Pin | None:
         link, token_ids, salt = self._link, list(request.all_token_ids), request.cache_salt
-        # One token more: kvpool never matches a prompt's last token, and the page holding ours may be cached.
-        # (Its id is never hashed: it starts a page of its own or ends a partial one.)
-        lookup_ids = [*token_ids, token_ids[-1]]
-        expected = self._announced(request, len(token_ids))
+        expected = announced(link, request.kv_transfer_params, len(token_ids))
         reserving = self._role.saves and self._role.reserve
         commit, frees = self._releases.take() if reserving else ([], [])
-
-        def lookup() -> "tuple[SequenceInfo, Reservation | None] | None":
-            if not link.usable():
-                return None
-            began = time.perf_counter_ns()
-            deadline = time.monotonic() + self._role.load_wait_s
-            info = link.create(lookup_ids, salt)
-            # A producer's save still under way: wait, bounded, until kvpool holds what it announced.
-            while info is not None and info.cached_tokens < expected and time.monotonic() < deadline:
-                link.free(info.seq_id)  # holds only cached pages: the free commits nothing
-                time.sleep(LOAD_WAIT_POLL_S)
-                link.stats["load_wait_polls"] += 1
-                info = link.create(lookup_ids, salt)
-            reservation = None
-            if info is not None and reserving:  # the pages its save will write (the commits and frees ride along)
-                full = len(token_ids) // link.page_size * link.page_size
-                reservation = reserve(link, info.seq_id, token_ids, info.cached_tokens, full, commit, frees)
-            link.stats["lookups"] += 1  # one per request, however many ranks load it
-            link.stats["lookup_ns"] += time.perf_counter_ns() - began  # the scheduler waits for it
-            return None if info is None else (info, reservation)
-
-        looked_up = self._thread.call(lookup)
+        wait_s = self._role.load_wait_s
+        looked_up = self._thread.call(
+            lambda: look_up(link, token_ids, salt, expected, wait_s, reserving, commit, frees)
+        )
         if looked_up is None or looked_up[1] is None:
             self._releases.keep(commit, frees)  # (nothing carried them)
         if looked_up is None:
@@ -423,13 +368,13 @@ class KVPoolConnectorScheduler:
             if held is not None:
                 self._releases.release(held.seq_id)
             if self._fills_no_page(self._requests[save.req_id], save.end):
-                # Nothing will append to it: freed now, the free committing its pages (one call, not a commit
-                # and a free), by the next call as a commit would be (another request may look them up).
+                # Nothing will append to it: freed now, the free committing its pages (one call, not a commit and a
+                # free), by the next call (another request may look them up).
                 self._releases.release(save.seq_id, at_once=True)
                 continue
-            # Held for the request's next save, which appends to it; its pages are committed by the next call.
+            # Held for the request's next save, which appends to it (committing its pages, if no call did before).
             self._held[save.req_id] = Held(save.seq_id, save.end)
-            self._releases.to_commit.add(save.seq_id)
+            self._releases.commit(save.seq_id)
 
     def _fills_no_page(self, request: "Request", end: int) -> bool:
         """True if the request cannot fill another kvpool page past `end` before it ends: the most tokens it
@@ -461,14 +406,14 @@ class KVPoolConnectorScheduler:
             self._finishing[req_id] = Finishing(request, end, list(block_ids), reserved)
             self._link.stats["saves_after_finish"] += 1
             self._saving.discard(req_id)
-            return True, self._announcement(end)
+            return True, announcement(self._link, self._role.saves, end)
         pin = self._pins.pop(req_id, None)
         if pin is not None:  # (if kvpool restarted meanwhile, the pin went with it)
             self._releases.release_pin(pin)
         held = self._held.pop(req_id, None)
         if held is not None:
             self._releases.release(held.seq_id)  # its pages are written: committed
-        params = self._announcement(saved)
+        params = announcement(self._link, self._role.saves, saved)
         # A request given saves keeps its blocks until every rank's get_finished says they are copied.
         if req_id in self._saving:
             self._saving.discard(req_id)
@@ -497,22 +442,6 @@ class KVPoolConnectorScheduler:
         if reserved is None:
             self._releases.keep([*commit, seq_id] if listed else commit, frees)
         return reserved
-
-    def _announcement(self, tokens: int) -> dict[str, Any] | None:
-        """What a producer's response tells the consumer's request: the tokens kvpool holds or is being
-        sent (full pages), and which kvpool."""
-        if not (self._role.saves and tokens and self._link.instance_id):
-            return None
-        return {"kvpool_tokens": tokens, "kvpool_instance": self._link.instance_id}
-
-    def _announced(self, request: "Request", num_tokens: int) -> int:
-        """Tokens of this prompt a producer announced for this kvpool (capped by what a lookup can match)."""
-        params = request.kv_transfer_params or {}
-        tokens = params.get("kvpool_tokens")
-        if not isinstance(tokens, int) or params.get("kvpool_instance") != self._link.instance_id:
-            return 0
-        page_size = self._link.page_size or 1
-        return min(tokens, num_tokens) // page_size * page_size
 
     def discard_open_saves(self) -> None:
         """At shutdown: saves not reported by every rank are released uncommitted (and pins whose loads were

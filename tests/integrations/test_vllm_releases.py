@@ -1,7 +1,7 @@
 """What the connector's scheduler gives back to kvpool (vllm_releases), against a real `kvpool serve`: a
-sequence released committing waits, while the engine is busy, up to FREE_WAIT_S for a call to ride on, then
-goes in a call of its own; a written save to commit goes at once; a sequence released uncommitted goes at
-once and its pages never enter the prefix cache."""
+sequence released committing and a written save to commit wait, while the engine is busy, up to FREE_WAIT_S
+for a call to ride on, then go in a call of their own; a sequence released uncommitted goes at once and its
+pages never enter the prefix cache."""
 
 import time
 from collections import Counter
@@ -25,7 +25,7 @@ def cached(client: KVPoolClient, token_ids: list[int]) -> int:
     return probe.cached_tokens
 
 
-def test_frees_wait_for_a_call_while_the_engine_is_busy_and_commits_and_discards_go_at_once(model_dir: str) -> None:
+def test_frees_and_commits_wait_for_a_call_while_the_engine_is_busy_and_discards_go_at_once(model_dir: str) -> None:
     with connected(model_dir) as (server, thread, link), KVPoolClient(server.url) as client:
         prompts = {name: tokens(seed, 2 * PAGE) for seed, name in enumerate("abc")}
         for name, prompt in prompts.items():  # appended without K/V: not committed until freed or named again
@@ -45,10 +45,15 @@ def test_frees_wait_for_a_call_while_the_engine_is_busy_and_commits_and_discards
         assert not exists(server, "a") and cached(client, prompts["a"]) == 2 * PAGE
         assert releases.to_free == [] and link.stats["free_calls"] == 1
 
-        releases.to_commit.add("b")  # a written save: committed at once, its sequence still held
+        releases.commit("b")  # a written save: waits as a free does, its sequence still held
+        releases.flush(busy=True)
+        settle(thread, link)
+        assert cached(client, prompts["b"]) == 0 and releases.to_commit == {"b"}
+        time.sleep(FREE_WAIT_S)
         releases.flush(busy=True)
         settle(thread, link)
         assert exists(server, "b") and cached(client, prompts["b"]) == 2 * PAGE and link.stats["commits"] == 1
+        assert releases.to_commit == set() and link.stats["free_calls"] == 2
 
         releases.release("c", commit=False)  # uncommitted: at once, its pages released
         settle(thread, link)
@@ -66,7 +71,7 @@ def test_taken_releases_kept_again_go_first_and_a_pin_being_loaded_is_released_a
             client.create_sequence(name)
         releases = Releases(link, thread, Counter())
         releases.release("p")
-        releases.to_commit.add("q")
+        releases.commit("q")
         commit, frees = releases.take()
         assert (commit, frees) == (["q"], ["p"]) and not (releases.to_commit or releases.to_free)
         releases.release("r")

@@ -178,9 +178,11 @@ def saved(meta: KVPoolMetadata) -> list[tuple[str, int, int]]:
 
 def test_decoded_pages_ride_on_a_call_made_anyway_until_the_request_finishes(model_dir: str) -> None:
     """Without reservations: a prompt's save is a call of its step, and pages filled by decoding ride on such a
-    call; a request's last pages are saved by the step after it finishes, in a call the step waits for."""
+    call; a request's last pages are saved by the step after it finishes, in a call the step waits for. The
+    commits of written saves ride on those calls too (within FREE_WAIT_S)."""
     with connected(model_dir) as (server, thread, link):
         scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role(reserve=False))
+        scheduler._releases.wait_s = 600  # (however slow the machine: the commits wait for a call)
         steps = Steps(scheduler, 1)
         a = Request("a", tokens(5, 40), SamplingParams(max_tokens=100), None)  # stopped early (a stop token)
         b = Request("b", tokens(6, 50), SamplingParams(max_tokens=17), None)  # runs to its max_tokens
@@ -205,8 +207,11 @@ def test_decoded_pages_ride_on_a_call_made_anyway_until_the_request_finishes(mod
         settle(thread, link)
         made = calls(server)
         assert link.stats["saves"] == 6 and link.stats.get("reservations", 0) == 0
-        assert made["POST /v1/step"] - link.stats["free_calls"] == 2  # b's prompt and b's last page: a's riding
-        assert made["POST /v1/sequences/{seq_id}/append"] == 2  # a's prompt, a's last page: alone
+        # b's prompt and b's last page (a's riding), a's last page (the commit of its fourth riding): steps; a's
+        # prompt alone. Every commit rode on an append (none was sent alone), and the two frees went in one call.
+        assert made["POST /v1/step"] - link.stats["free_calls"] == 3, made
+        assert made["POST /v1/sequences/{seq_id}/append"] == 1, made
+        assert link.stats["free_calls"] == 1 and link.stats["commits"] == 0, link.stats
         with KVPoolClient(server.url) as client:  # kvpool holds a's 80 tokens and b's 64
             assert client.create_sequence("check-a", a.all_token_ids[:81]).cached_tokens == 80
             assert client.create_sequence("check-b", b.all_token_ids[:65]).cached_tokens == 64
@@ -254,7 +259,7 @@ def test_reserved_pages_take_every_save_off_the_steps_and_carry_the_commits_and_
         # c cannot fill another page (20 + 2 - 1 tokens at most): its written save is to be freed, not held
         assert "c" not in scheduler._held and len(scheduler._releases.to_free) == 1
         free_calls, commits = link.stats.get("free_calls", 0), link.stats["commits"]
-        assert step() == []  # (c's second and last token) the free goes with this step, as a commit would
+        assert step() == []  # (c's second and last token) the free goes with this step
         settle(thread, link)
         assert scheduler._releases.to_free == [] and link.stats["free_calls"] == free_calls + 1
         assert link.stats["commits"] == commits  # (the free committed c's page: no commit of its own)
