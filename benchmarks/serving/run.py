@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ NETNS_ENV = "KVPOOL_SERVING_NETNS"
 # (split evenly over the rates), half from its multi-round QA run.
 REPLAYS = 20
 SEED = 0
+WARM_UP = (2, 4)  # prefixes, and requests per prefix, of each configuration's warm-up (at most the workload's)
 
 
 def profile(quick: bool) -> tuple[ModelShape, Sizes, Workload, list[float]]:
@@ -210,11 +211,32 @@ def top_up_rate(runs: list[dict[str, Any]]) -> float | None:
     return TOP_UP_STEP * max(r["rate"] for r in a_runs)
 
 
+def warm_up(session: Session, targets: list[Target], rate: float) -> None:
+    """A few requests through each configuration before its first measured run, not recorded (as `vllm bench
+    serve --num-warmups`): other prompts (another seed) with shared prefixes, so that every engine, kvpool
+    server and router has served a prefill, a hit, a save and a load. Each engine's first requests ran
+    slower (an idle fleet's first miss took 287 ms, its fourth 186, session 21), and each configuration's
+    first run came first on its engines. The measured runs empty the caches before they start."""
+    prefixes, per_prefix = WARM_UP
+    work = replace(
+        session.work,
+        num_prefixes=min(prefixes, session.work.num_prefixes),
+        per_prefix=min(per_prefix, session.work.per_prefix),
+    )
+    for target in targets:
+        measure.reset(target.engines, target.kvpools, target.redis)
+        out = session.run_dir / f"{target.name}-warmup.json"
+        clients.bench_serve(session.bench, target.url, session.model, out, work, rate, SEED + 1)
+        measure.wait_idle(target.kvpools)
+
+
 def run_phase(session: Session, targets: list[Target], rates: list[float], unloaded: bool, top_up: bool) -> None:
-    """The phase's runs, alternating. unloaded: a's unloaded TTFT first (targets[0] is a). top_up: where a's
-    p50 stayed under 3x its unloaded TTFT at every rate (a fast hour: the b-vs-a target is judged only where
-    a is loaded that much), a and b once more, alternating, at 1.5 times the highest rate (twice at most)."""
+    """The phase's runs, alternating, after a warm-up of each configuration. unloaded: a's unloaded TTFT first
+    (targets[0] is a). top_up: where a's p50 stayed under 3x its unloaded TTFT at every rate (a fast hour: the
+    b-vs-a target is judged only where a is loaded that much), a and b once more, alternating, at 1.5 times the
+    highest rate (twice at most)."""
     runs = session.runs
+    warm_up(session, targets, max(rates))
     if unloaded:
         runs.append(run_once(session, targets[0], "bench", 0.0, 2, unloaded=True))
     samples = max(1, REPLAYS // 2 // len(rates))

