@@ -92,6 +92,9 @@ def routing(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "tokenized_here": after["tokenized_here"],
         "tokenizer_checked": after["checked"],  # requests whose ids vLLM's /tokenize confirmed (so far, in all)
         "tokenizer_mismatches": after["mismatches"],
+        # After the run: nothing in flight, and no node still counted as prefilling (each request left it once).
+        "in_flight_after": after["in_flight"],
+        "prefilling_after": after.get("prefilling", []),
     }
 
 

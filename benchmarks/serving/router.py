@@ -10,9 +10,12 @@ Policies (every configuration goes through one, one backend or two, so that each
 - `dynamo`: ask Dynamo's standalone KV indexer (`--indexer`; `POST /query`, the nodes registered as
   instances 0, 1, ... in the order of `--backends`) which node holds the longest prefix.
 Both prefix policies weigh the match against the load, as Dynamo's KV router does (its cost: the blocks a
-node would prefill plus the blocks of the requests it is serving): a node's cost is the prompt tokens it
-would compute plus the prompt tokens of the requests it has in flight (the KV they hold while they
-decode), and the cheapest node gets the request (ties: round robin). By the match alone, a prefix every
+node would prefill, its requests still prefilling included, plus the blocks of the requests it is serving):
+a node's cost is the prompt tokens it would compute, plus the tokens its requests not yet at their first
+token are computing (as estimated when each was routed; a request leaves them at its first streamed byte,
+as Dynamo's router marks a prefill complete at the first token), plus the prompt tokens of the requests it
+has in flight (the KV they hold while they decode), and the cheapest node gets the request (ties: round
+robin). By the match alone, a prefix every
 prompt shares (a system prompt) would draw every request to the first node that held it. With
 `--shared-tier` (the nodes share a remote tier, into which each kvpool writes every page it computed), a
 node also holds what any node holds, behind a restore: those tokens are not computed but restored, each
@@ -55,15 +58,27 @@ CHECKED = 8  # requests tokenized both here and by the backend, which must agree
 RESTORE_WEIGHT = 0.1
 
 
-def costs(prompt_len: int, held: list[int], active: list[int], shared_tier: bool, restore_weight: float) -> list[float]:
-    """Each node's cost for a prompt of `prompt_len` tokens: the tokens it would compute (the prompt less what
-    it holds, `held`; with a shared tier, less what any node holds, the part beyond its own restored at
-    `restore_weight`) plus `active`, the prompt tokens of the requests it has in flight."""
+def computed(prompt_len: int, held: list[int], shared_tier: bool, restore_weight: float) -> list[float]:
+    """The tokens each node would compute for a prompt of `prompt_len` tokens: the prompt less what it holds,
+    `held`; with a shared tier, less what any node holds, the part beyond its own restored at `restore_weight`."""
     held = [min(h, prompt_len) for h in held]
     anywhere = max(held, default=0) if shared_tier else 0
-    return [
-        prompt_len - max(h, anywhere) + restore_weight * max(0, anywhere - h) + load for h, load in zip(held, active)
-    ]
+    return [prompt_len - max(h, anywhere) + restore_weight * max(0, anywhere - h) for h in held]
+
+
+def costs(
+    prompt_len: int,
+    held: list[int],
+    active: list[int],
+    prefilling: list[float],
+    shared_tier: bool,
+    restore_weight: float,
+) -> list[float]:
+    """Each node's cost for a prompt: the tokens it would compute (`computed`), plus `prefilling`, the tokens
+    its requests not yet at their first token compute, plus `active`, the prompt tokens of its requests in
+    flight."""
+    compute = computed(prompt_len, held, shared_tier, restore_weight)
+    return [c + p + a for c, p, a in zip(compute, prefilling, active)]
 
 
 class IndexClient:
@@ -105,6 +120,7 @@ class Router:
         self.restore_weight: float = args.restore_weight
         self.in_flight = [0] * len(self.backends)
         self.active = [0] * len(self.backends)  # prompt tokens of the requests in flight
+        self.prefilling = [0.0] * len(self.backends)  # tokens computed by the requests before their first byte
         self.turn = itertools.cycle(range(len(self.backends)))
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=512)
@@ -169,19 +185,21 @@ class Router:
         instances = orjson.loads(body).get("instances", {}) if status == 200 else {}
         return [int(instances.get(str(i), {}).get("longest_matched", 0)) for i in range(len(self.backends))]
 
-    async def choose(self, path: str, body: dict[str, Any]) -> tuple[int, int]:
-        """The backend for a request, and the prompt's length in tokens (its load there while in flight)."""
+    async def choose(self, path: str, body: dict[str, Any]) -> tuple[int, int, float]:
+        """The backend for a request, the prompt's length in tokens (its load there while in flight) and the
+        tokens it is expected to compute there (its load there until its first byte)."""
         if self.policy == "rr" or len(self.backends) == 1:
-            return next(self.turn), 0
+            return next(self.turn), 0, 0.0
         began = asyncio.get_running_loop().time()
         token_ids = await self.token_ids(path, body)
         scores = await self.matched(token_ids)
         self.route_ns += int((asyncio.get_running_loop().time() - began) * 1e9)
         self.chosen += 1
-        cost = costs(len(token_ids), scores, self.active, self.shared_tier, self.restore_weight)
+        compute = computed(len(token_ids), scores, self.shared_tier, self.restore_weight)
+        cost = costs(len(token_ids), scores, self.active, self.prefilling, self.shared_tier, self.restore_weight)
         cheapest = [i for i, c in enumerate(cost) if c == min(cost)]
         index = cheapest[0] if len(cheapest) == 1 else next(i for i in self.turn if i in cheapest)
-        return index, len(token_ids)
+        return index, len(token_ids), compute[index]
 
     async def proxy(self, request: Request) -> Response:
         path = request.path_params["path"]
@@ -192,15 +210,25 @@ class Router:
             )
             return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
         body = json.loads(raw)
-        index, load = await self.choose(path, body)
+        index, load, compute = await self.choose(path, body)
         self.in_flight[index] += 1
         self.active[index] += load
+        self.prefilling[index] += compute
         self.routed[index] += 1
         record: dict[str, Any] = {"path": path, "body": body, "backend": index}
+        prefilled = False
+
+        def prefill_done() -> None:  # (once: at the first byte, or when the request ends without one)
+            nonlocal prefilled
+            if not prefilled:
+                prefilled = True
+                self.prefilling[index] -= compute
+
         upstream = self.client.build_request("POST", f"{self.backends[index]}/{path}", content=raw, headers=JSON_BODY)
         try:
             answer = await self.client.send(upstream, stream=True)
         except httpx.HTTPError as error:
+            prefill_done()
             self.in_flight[index] -= 1
             self.active[index] -= load
             self.write(record | {"status": 0, "error": repr(error)})
@@ -210,10 +238,12 @@ class Router:
             error = ""
             try:
                 async for chunk in answer.aiter_raw():
+                    prefill_done()  # vLLM streams its first chunk with the first token
                     yield chunk
             except httpx.HTTPError as failure:
                 error = repr(failure)
             finally:
+                prefill_done()
                 await answer.aclose()
                 self.in_flight[index] -= 1
                 self.active[index] -= load
@@ -227,7 +257,8 @@ class Router:
     async def stats(self, request: Request) -> Response:
         return JSONResponse(
             {
-                "routed": self.routed, "in_flight": self.in_flight, "route_ns": self.route_ns, "chosen": self.chosen,
+                "routed": self.routed, "in_flight": self.in_flight, "prefilling": self.prefilling,
+                "route_ns": self.route_ns, "chosen": self.chosen,
                 "tokenized_here": self.tokenizer is not None and not self.mismatches, "checked": self.checked,
                 "mismatches": self.mismatches,
             }

@@ -98,6 +98,9 @@ def test_the_prefix_routers_tokenized_as_vllm_does(report: dict[str, Any]) -> No
         # token ids from the model's tokenizer in the router, checked against vLLM's POST /tokenize
         assert router["tokenized_here"] and router["tokenizer_mismatches"] == 0, run["label"]
         assert router["tokenizer_checked"] > 0, run["label"]
+        # every request's prefill load left its node's (its first byte or its end), and the request itself
+        assert router["in_flight_after"] == [0, 0], run["label"]
+        assert router["prefilling_after"] == pytest.approx([0, 0], abs=1e-6), run["label"]
 
 
 def test_replays_one_at_a_time_match_vllm_alone(report: dict[str, Any]) -> None:
