@@ -39,7 +39,7 @@ from benchmarks.serving.clients import Workload
 from benchmarks.serving.fleet import PRIORITY, REPO, Fleet
 from benchmarks.serving.model import ModelShape, make_model
 from benchmarks.serving.phases import Sizes, Target
-from benchmarks.serving.targets import BENCH, check_targets
+from benchmarks.serving.targets import BENCH, check_targets, percentile
 
 NETNS_ENV = "KVPOOL_SERVING_NETNS"
 # Requests replayed per configuration, one at a time, greedy, then on vLLM alone: half from its bench runs
@@ -81,13 +81,6 @@ def profile(quick: bool) -> tuple[ModelShape, Sizes, Workload, list[float]]:
     # 4 req/s: where one engine alone (a) queues, its p50 TTFT over 3x its unloaded one (session 16, on a fast
     # hour: 3 req/s gave 2.9x, as 2.5 had in session 12), on this machine however fast it runs; 2, half of it.
     return shape, sizes, work, [2.0, 4.0]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 @dataclass
@@ -134,6 +127,7 @@ def run_once(
         "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p90_ms": 1e3 * percentile(ttft, 90),
         "ttft_p99_ms": 1e3 * percentile(ttft, 99),
         "ttft_mean_ms": 1e3 * statistics.fmean(ttft) if ttft else float("nan"),
+        "ttft_ms": [round(1e3 * t, 2) for t in ttft],  # per request, in the client's order (the intervals)
         "itl_p50_ms": 1e3 * percentile(itl, 50),
         "output_tok_s": result["output_tokens"] / result["duration_s"] if result["duration_s"] else 0.0,
         "req_s": result["completed"] / result["duration_s"] if result["duration_s"] else 0.0,

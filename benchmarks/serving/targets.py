@@ -2,7 +2,12 @@
 
 from typing import Any
 
+import numpy as np
+
 BENCH = "vllm bench serve"
+# Resamples of the bootstrap interval printed beside "f beats e on p50 TTFT": with 64 or 50 requests a run, the
+# p50 sits where hits and misses meet, and the interval says how far a few requests could move the difference.
+INTERVAL_RESAMPLES = 2000
 
 
 def _runs(runs: list[dict[str, Any]], config: str, client: str = BENCH) -> list[dict[str, Any]]:
@@ -27,6 +32,40 @@ def connector_hit_rate(runs: list[dict[str, Any]]) -> float:
     (kvpool_prefix_cache_*) count the saves' lookups too."""
     queries = sum(r["server"]["external_queries"] for r in runs)
     return sum(r["server"]["external_hits"] for r in runs) / queries if queries else 0.0
+
+
+def rank(n: int, q: float) -> int:
+    """The index, in `n` sorted values, of their `q`th percentile by nearest rank (the runs' p50/p90/p99)."""
+    return min(n - 1, max(0, round(q / 100 * (n - 1))))
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return sorted(values)[rank(len(values), q)]
+
+
+def p50_difference_interval(
+    mine: list[float], base: list[float], resamples: int = INTERVAL_RESAMPLES, seed: int = 0
+) -> tuple[float, float]:
+    """The 90 % bootstrap interval of p50(mine) - p50(base), each p50 as the runs' (`percentile`): each run's
+    requests resampled with replacement, `resamples` times (a fixed seed: a report printed again says the same)."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(mine, dtype=float), np.asarray(base, dtype=float)
+    resampled_a = np.sort(a[rng.integers(0, len(a), size=(resamples, len(a)))], axis=1)
+    resampled_b = np.sort(b[rng.integers(0, len(b), size=(resamples, len(b)))], axis=1)
+    diffs = resampled_a[:, rank(len(a), 50)] - resampled_b[:, rank(len(b), 50)]
+    low, high = np.percentile(diffs, [5, 95])
+    return float(low), float(high)
+
+
+def p50_interval(mine: dict[str, Any], base: dict[str, Any]) -> str:
+    """' [LOW..HIGH]', the 90 % interval of the p50s' difference from two runs' per-request TTFTs; '' where a run
+    has none (runs recorded before session 22)."""
+    if not mine.get("ttft_ms") or not base.get("ttft_ms"):
+        return ""
+    low, high = p50_difference_interval(mine["ttft_ms"], base["ttft_ms"])
+    return f" [{low:+.0f}..{high:+.0f}]"
 
 
 def _verdict(ok: bool) -> str:
@@ -74,11 +113,15 @@ def check_targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
             f = _runs(runs, f_name, client)
             if f and e:
                 wins = [fr["ttft_p50_ms"] < er["ttft_p50_ms"] for fr, er in zip(f, e)]
-                pairs = ", ".join(f"{fr['ttft_p50_ms']:.0f} vs {er['ttft_p50_ms']:.0f}" for fr, er in zip(f, e))
+                intervals = [p50_interval(fr, er) for fr, er in zip(f, e)]
+                pairs = ", ".join(
+                    f"{fr['ttft_p50_ms']:.0f} vs {er['ttft_p50_ms']:.0f}{i}" for fr, er, i in zip(f, e, intervals)
+                )
+                note = "; in brackets f - e, 90 % bootstrap interval" if any(intervals) else ""
                 judge(
                     f"{f_name}_ttft_{tag}",
                     all(wins),
-                    f"[{client}] {f_name} beats e on p50 TTFT at every rate (ms: {pairs})",
+                    f"[{client}] {f_name} beats e on p50 TTFT at every rate (ms: {pairs}{note})",
                 )
     failed = sum(r["failed"] for r in runs)
     judge("no_failures", failed == 0, f"failed requests, all runs: {failed} (0)")

@@ -50,6 +50,9 @@ def test_every_configuration_ran_both_clients_with_the_expected_counts(report: d
     assert {(r["config"], r["client"]) for r in runs} == {(c, k) for c in configs for k in (BENCH, QA)}
     for run in runs:
         assert run["failed"] == 0, run["label"]
+        # each finished request's TTFT, in milliseconds, the p50 one of them (the intervals beside "f beats e")
+        assert len(run["ttft_ms"]) == run["completed"] and min(run["ttft_ms"]) > 0, run["label"]
+        assert run["ttft_p50_ms"] == pytest.approx(sorted(run["ttft_ms"])[round((run["completed"] - 1) / 2)], abs=0.01)
         if run["client"] == BENCH:
             assert sorted(r["rate"] for r in runs if r["config"] == run["config"] and r["client"] == BENCH) == rates
             # every prompt sent, answered, and seen by the proxy once (the client's ready check is off)

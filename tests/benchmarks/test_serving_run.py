@@ -1,11 +1,14 @@
 """benchmarks/serving/run.py and targets.py: on a fast hour, where a's p50 stays under 3x its unloaded TTFT at
 every rate, a and b run once more at 1.5 times the highest rate (at most twice), and the b-vs-a target is judged
-at the first rate where a is loaded 3x."""
+at the first rate where a is loaded 3x; the runs' percentiles by nearest rank, and the bootstrap interval of the
+difference of two runs' p50s printed beside "f beats e"."""
 
 from typing import Any
 
+import numpy as np
+
 from benchmarks.serving.run import top_up_rate
-from benchmarks.serving.targets import BENCH, check_targets
+from benchmarks.serving.targets import BENCH, check_targets, p50_difference_interval, percentile
 
 
 def run(config: str, rate: float, p50: float, mean: float = 0.0, cached: float = 0.1) -> dict[str, Any]:
@@ -41,3 +44,33 @@ def test_b_vs_a_is_judged_at_the_first_rate_where_a_is_loaded_3x() -> None:
     targets = check_targets(runs)
     assert "judged at 6 req/s, where a's p50 is 1200.0 ms (6.0x unloaded)" in "\n".join(targets["lines"])
     assert targets["checks"]["b_ttft"] and targets["checks"]["b_cached"]
+
+
+def test_percentiles_are_by_nearest_rank() -> None:
+    values = [float(v) for v in np.random.default_rng(3).permutation(64) + 1]  # 1..64, shuffled
+    assert (percentile(values, 50), percentile(values, 90), percentile(values, 99)) == (33.0, 58.0, 63.0)
+    assert percentile([float(v) for v in range(1, 51)], 50) == 25.0  # round(24.5) is 24: the lower middle
+    assert np.isnan(percentile([], 50))
+
+
+def test_the_interval_of_two_p50s_difference_covers_it_and_is_repeatable() -> None:
+    rng = np.random.default_rng(7)
+    fast, slow = list(rng.normal(100, 10, 64)), list(rng.normal(200, 10, 64))
+    low, high = p50_difference_interval(fast, slow)
+    assert -125 < low < -100 < high < -75
+    assert p50_difference_interval(fast, slow) == (low, high)  # a fixed seed
+    # Two samples of one mixture of hits and misses whose p50 falls between the groups: the interval spans both.
+    mixture = list(rng.permutation(np.r_[rng.normal(50, 5, 40), rng.normal(300, 30, 24)]))
+    other = list(rng.permutation(np.r_[rng.normal(50, 5, 40), rng.normal(300, 30, 24)]))
+    low, high = p50_difference_interval(mixture, other)
+    assert low < 0 < high
+
+
+def test_f_against_e_prints_the_interval_where_the_runs_have_their_requests() -> None:
+    rng = np.random.default_rng(11)
+    e, f = run("e", 2, 120), run("f", 2, 80)
+    assert "(ms: 80 vs 120)" in "\n".join(check_targets([e, f])["lines"])  # runs recorded before session 22
+    e["ttft_ms"], f["ttft_ms"] = list(rng.normal(120, 5, 64)), list(rng.normal(80, 5, 64))
+    line = next(x for x in check_targets([e, f])["lines"] if "f beats e" in x)
+    low, high = p50_difference_interval(f["ttft_ms"], e["ttft_ms"])
+    assert line.startswith("PASS") and f"80 vs 120 [{low:+.0f}..{high:+.0f}]; in brackets f - e" in line
