@@ -94,7 +94,7 @@ def routing(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "tokenizer_mismatches": after["mismatches"],
         # After the run: nothing in flight, and no node still counted as prefilling (each request left it once).
         "in_flight_after": after["in_flight"],
-        "prefilling_after": after.get("prefilling", []),
+        "prefilling_after": after["prefilling"],
     }
 
 

@@ -66,18 +66,10 @@ def computed(prompt_len: int, held: list[int], shared_tier: bool, restore_weight
     return [prompt_len - max(h, anywhere) + restore_weight * max(0, anywhere - h) for h in held]
 
 
-def costs(
-    prompt_len: int,
-    held: list[int],
-    active: list[int],
-    prefilling: list[float],
-    shared_tier: bool,
-    restore_weight: float,
-) -> list[float]:
-    """Each node's cost for a prompt: the tokens it would compute (`computed`), plus `prefilling`, the tokens
-    its requests not yet at their first token compute, plus `active`, the prompt tokens of its requests in
+def costs(compute: list[float], prefilling: list[float], active: list[int]) -> list[float]:
+    """Each node's cost for a prompt: `compute`, the tokens it would compute (`computed`), plus `prefilling`, the
+    tokens its requests not yet at their first token compute, plus `active`, the prompt tokens of its requests in
     flight."""
-    compute = computed(prompt_len, held, shared_tier, restore_weight)
     return [c + p + a for c, p, a in zip(compute, prefilling, active)]
 
 
@@ -196,7 +188,7 @@ class Router:
         self.route_ns += int((asyncio.get_running_loop().time() - began) * 1e9)
         self.chosen += 1
         compute = computed(len(token_ids), scores, self.shared_tier, self.restore_weight)
-        cost = costs(len(token_ids), scores, self.active, self.prefilling, self.shared_tier, self.restore_weight)
+        cost = costs(compute, self.prefilling, self.active)
         cheapest = [i for i, c in enumerate(cost) if c == min(cost)]
         index = cheapest[0] if len(cheapest) == 1 else next(i for i in self.turn if i in cheapest)
         return index, len(token_ids), compute[index]

@@ -19,28 +19,28 @@ from service.cli import free_port
 
 
 def test_without_a_shared_tier_only_what_a_node_holds_is_not_computed() -> None:
-    assert costs(1000, [900, 0], [0, 0], [0, 0], shared_tier=False, restore_weight=0.1) == [100, 1000]
+    assert costs(computed(1000, [900, 0], shared_tier=False, restore_weight=0.1), [0, 0], [0, 0]) == [100, 1000]
 
 
 def test_the_requests_in_flight_count_by_their_prompts() -> None:
     # The holder serves a 1,000-token prompt: the prompt goes to the idle node, which computes it all.
-    assert costs(1000, [900, 0], [1000, 0], [0, 0], shared_tier=False, restore_weight=0.1) == [1100, 1000]
-    assert costs(1000, [900, 0], [800, 0], [0, 0], shared_tier=False, restore_weight=0.1) == [900, 1000]
+    assert costs(computed(1000, [900, 0], shared_tier=False, restore_weight=0.1), [0, 0], [1000, 0]) == [1100, 1000]
+    assert costs(computed(1000, [900, 0], shared_tier=False, restore_weight=0.1), [0, 0], [800, 0]) == [900, 1000]
 
 
 def test_the_requests_before_their_first_token_count_what_they_compute_as_well() -> None:
     # Each node serves a 600-token prompt; node 0's has not reached its first token and computes 500 of it:
     # a new prompt node 0 holds goes to node 1, which restores it (as Dynamo weighs prefill and decode blocks).
-    assert costs(600, [512, 0], [600, 600], [0, 0], shared_tier=True, restore_weight=0.1) == [688, 739.2]
-    assert costs(600, [512, 0], [600, 600], [500, 0], shared_tier=True, restore_weight=0.1) == [1188, 739.2]
+    assert costs(computed(600, [512, 0], shared_tier=True, restore_weight=0.1), [0, 0], [600, 600]) == [688, 739.2]
+    assert costs(computed(600, [512, 0], shared_tier=True, restore_weight=0.1), [500, 0], [600, 600]) == [1188, 739.2]
     # Without a shared tier the holder's prefill is still cheaper than computing the whole prompt elsewhere.
-    assert costs(600, [512, 0], [600, 600], [500, 0], shared_tier=False, restore_weight=0.1) == [1188, 1200]
+    assert costs(computed(600, [512, 0], shared_tier=False, restore_weight=0.1), [500, 0], [600, 600]) == [1188, 1200]
 
 
 def test_with_a_shared_tier_every_node_restores_what_any_node_holds() -> None:
     # Node 1 computes the same 100 tokens as node 0 and restores node 0's 900 at a tenth of their cost.
     assert computed(1000, [900, 0], shared_tier=True, restore_weight=0.1) == [100, 190]
-    assert costs(1000, [900, 0], [1000, 0], [0, 0], shared_tier=True, restore_weight=0.1) == [1100, 190]
+    assert costs(computed(1000, [900, 0], shared_tier=True, restore_weight=0.1), [0, 0], [1000, 0]) == [1100, 190]
     assert computed(1000, [900, 600], shared_tier=True, restore_weight=0.5) == [100, 250]
 
 
