@@ -26,10 +26,18 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "serving-llama"
 BLOCK_SIZE = 32  # vLLM's CPU attention: a multiple of 32
 PAGE_SIZE = 16  # kvpool's page: its default; the indexer's block_size
-# --realtime: the kvpool servers and redis-server run under SCHED_FIFO (`chrt -f 1`, root), ahead of the
-# engines' forward passes, which on this machine take the cores a GPU node leaves to the CPU: a diagnostic
-# of how much of kvpool's time is waiting for a core (docs/fleet.md, "What the load found").
-PRIORITY: list[str] = []
+# --realtime: the kvpool servers and redis-server (or one of the two) run under SCHED_FIFO (`chrt -f 1`, root),
+# ahead of the engines' forward passes, which on this machine take the cores a GPU node leaves to the CPU: a
+# diagnostic of how much of kvpool's time is waiting for a core (docs/fleet.md, "What the load found"); Redis
+# alone ahead stands for a store on a host of its own.
+PRIORITY: dict[str, list[str]] = {"kvpool": [], "redis": []}
+REALTIME = ["chrt", "-f", "1"]
+
+
+def set_realtime(which: str | bool) -> None:
+    """--realtime: the services `which` names ("both", "kvpool" or "redis"; False: none) start under SCHED_FIFO."""
+    for name in PRIORITY:
+        PRIORITY[name] = list(REALTIME) if which in ("both", name) else []
 
 
 def free_port() -> int:
@@ -90,7 +98,7 @@ def kvpool_service(
         # Bound (a wildcard): the indexer connects. Only loopback exists in the benchmark's network namespace.
         # Dynamo's indexer reads 64-bit block hashes only (README: Cache-aware routing).
         env |= {"KVPOOL_KV_EVENTS_ENDPOINT": f"tcp://*:{events_port}", "KVPOOL_KV_EVENTS_HASH_FORMAT": "int"}
-    cmd = [*PRIORITY, sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [*PRIORITY["kvpool"], sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--model", str(model), "--num-pages", str(num_pages), "--page-size", str(PAGE_SIZE)]
     return Service(name, cmd, run_dir / f"{name}.log", env, f"http://127.0.0.1:{port}/healthz")
 
@@ -119,7 +127,8 @@ def vllm_service(
 
 def redis_service(run_dir: Path, maxmemory: int) -> Service:
     port = free_port()
-    cmd = [*PRIORITY, "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    cmd = [*PRIORITY["redis"], "redis-server", "--port", str(port), "--bind", "127.0.0.1"]
+    cmd += ["--save", "", "--appendonly", "no"]
     cmd += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"]
     return Service("redis", cmd, run_dir / "redis.log")
 

@@ -36,7 +36,7 @@ from typing import Any
 
 from benchmarks.serving import clients, measure, phases
 from benchmarks.serving.clients import Workload
-from benchmarks.serving.fleet import PRIORITY, REPO, Fleet
+from benchmarks.serving.fleet import REPO, Fleet, set_realtime
 from benchmarks.serving.model import ModelShape, make_model
 from benchmarks.serving.phases import Sizes, Target
 from benchmarks.serving.targets import BENCH, check_targets, percentile
@@ -316,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         "--no-netns", action="store_true", help="run on the host's loopback (Dynamo's indexer left out)"
     )
     parser.add_argument(
-        "--realtime", action="store_true",
-        help="kvpool servers and redis-server under SCHED_FIFO (chrt -f 1; root): a diagnostic, not the benchmark",
+        "--realtime", nargs="?", const="both", default=False, choices=["both", "kvpool", "redis"],
+        help="kvpool servers and redis-server (or only those named) under SCHED_FIFO (chrt -f 1; root): a "
+        "diagnostic, not the benchmark",
     )  # fmt: skip
     parser.add_argument(
         "--report-only", action="store_true", help="judge and plot OUT/serving.json again (after a change here)"
@@ -329,8 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a timeout, CI) unwinds as Ctrl-C does: the fleet's processes are stopped on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     namespaced = False if args.no_netns else in_namespace()
-    if args.realtime:
-        PRIORITY[:] = ["chrt", "-f", "1"]
+    set_realtime(args.realtime)
     shape, sizes, work, rates = profile(args.quick)
     rates = args.rates or rates
     args.out.mkdir(parents=True, exist_ok=True)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(args.model_dir / ("quick" if args.quick else "full"), shape)
     began = time.monotonic()
     print(f"kvpool in a fleet: model {shape}, {sizes}, {work}, rates {rates}, network namespace: {namespaced}")
-    print(f"  kvpool servers and redis-server under SCHED_FIFO: {args.realtime}")
+    print(f"  under SCHED_FIFO: {'nothing' if not args.realtime else args.realtime}")
     session = Session(clients.BenchRunner(run_dir / "vllm-bench.log"), work, run_dir, model)
     chosen = set(args.configs or phases.CONFIGS)
     phase_list: list[tuple[tuple[str, ...], Callable[[Fleet], list[Target]]]] = [

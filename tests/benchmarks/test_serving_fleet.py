@@ -1,8 +1,9 @@
-"""benchmarks/serving/fleet.py: --realtime puts kvpool's servers and redis-server under SCHED_FIFO."""
+"""benchmarks/serving/fleet.py: --realtime puts kvpool's servers and redis-server (or one of them) under SCHED_FIFO."""
 
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ def realtime_allowed() -> bool:
 def test_realtime_services_run_under_sched_fifo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     plain = fleet.redis_service(tmp_path, 1 << 20)
     assert plain.cmd[0] == "redis-server"
-    monkeypatch.setattr(fleet, "PRIORITY", ["chrt", "-f", "1"])
+    monkeypatch.setitem(fleet.PRIORITY, "redis", fleet.REALTIME)
     redis = fleet.redis_service(tmp_path, 1 << 20)
     with fleet.Fleet() as services:
         services.start([redis], timeout_s=30)
@@ -32,3 +33,20 @@ def test_realtime_services_run_under_sched_fifo(tmp_path: Path, monkeypatch: pyt
         tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         assert tasks and all(os.sched_getscheduler(t) == os.SCHED_FIFO for t in tasks)
         assert os.sched_getparam(pid).sched_priority == 1
+
+
+@pytest.mark.parametrize("which", [False, "both", "kvpool", "redis"])
+def test_realtime_names_which_services_start_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str | bool
+) -> None:
+    """--realtime [both|kvpool|redis]: the kvpool servers' and redis-server's commands start with chrt -f 1 as named
+    (Redis alone ahead stands for a store on a host of its own), the others as they are."""
+    monkeypatch.setattr(fleet, "PRIORITY", {"kvpool": [], "redis": []})
+    fleet.set_realtime(which)
+    kvpool = fleet.kvpool_service(tmp_path, "kvpool-a", tmp_path / "model", 64).cmd
+    redis = fleet.redis_service(tmp_path, 1 << 20).cmd
+    ahead = {name: which in ("both", name) for name in ("kvpool", "redis")}
+    assert kvpool[:3] == fleet.REALTIME if ahead["kvpool"] else kvpool[0] == sys.executable
+    assert redis[:3] == fleet.REALTIME if ahead["redis"] else redis[0] == "redis-server"
+    assert kvpool[3 * ahead["kvpool"] :][:3] == [sys.executable, "-m", "service"]
+    assert redis[3 * ahead["redis"]] == "redis-server"
