@@ -112,8 +112,11 @@ class LoopConnection:
         return (await self.reader.readuntil(b"\r\n"))[:-2]
 
     def close(self) -> None:
-        """Close it, from any thread: transports are closed on their loop's thread. A closed loop can
-        run nothing: its transports are left to the collector (which closes their sockets)."""
+        """Drop it, from any thread: transports are closed on their loop's thread. Aborted, not closed:
+        nothing unsent is worth waiting for, and a graceful TLS close waits for the store's close_notify,
+        which a loop that stops soon after (a server shutting down, asyncio.run returning) never reads,
+        leaving the socket open. A closed loop can run nothing: its transports are left to the collector
+        (which closes their sockets)."""
         if self.loop.is_closed():
             return
         try:
@@ -121,9 +124,9 @@ class LoopConnection:
         except RuntimeError:
             running = None
         if running is self.loop:
-            self.writer.close()
+            self.writer.transport.abort()
         else:
-            self.loop.call_soon_threadsafe(self.writer.close)
+            self.loop.call_soon_threadsafe(self.writer.transport.abort)
 
 
 class LoopSocket:
