@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(args.model_dir / ("quick" if args.quick else "full"), shape)
     began = time.monotonic()
     print(f"kvpool in a fleet: model {shape}, {sizes}, {work}, rates {rates}, network namespace: {namespaced}")
-    print(f"  under SCHED_FIFO: {'nothing' if not args.realtime else args.realtime}")
+    print(f"  under SCHED_FIFO: {args.realtime or 'nothing'}")
     session = Session(clients.BenchRunner(run_dir / "vllm-bench.log"), work, run_dir, model)
     chosen = set(args.configs or phases.CONFIGS)
     phase_list: list[tuple[tuple[str, ...], Callable[[Fleet], list[Target]]]] = [

@@ -45,8 +45,6 @@ def test_realtime_names_which_services_start_ahead(
     fleet.set_realtime(which)
     kvpool = fleet.kvpool_service(tmp_path, "kvpool-a", tmp_path / "model", 64).cmd
     redis = fleet.redis_service(tmp_path, 1 << 20).cmd
-    ahead = {name: which in ("both", name) for name in ("kvpool", "redis")}
-    assert kvpool[:3] == fleet.REALTIME if ahead["kvpool"] else kvpool[0] == sys.executable
-    assert redis[:3] == fleet.REALTIME if ahead["redis"] else redis[0] == "redis-server"
-    assert kvpool[3 * ahead["kvpool"] :][:3] == [sys.executable, "-m", "service"]
-    assert redis[3 * ahead["redis"]] == "redis-server"
+    ahead = {name: fleet.REALTIME if which in ("both", name) else [] for name in ("kvpool", "redis")}
+    assert kvpool[: len(ahead["kvpool"]) + 3] == [*ahead["kvpool"], sys.executable, "-m", "service"]
+    assert redis[: len(ahead["redis"]) + 1] == [*ahead["redis"], "redis-server"]
