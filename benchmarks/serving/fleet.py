@@ -34,6 +34,19 @@ PRIORITY: dict[str, list[str]] = {"kvpool": [], "redis": []}
 REALTIME = ["chrt", "-f", "1"]
 
 
+# --executor: how each engine runs its model. "uni" (the default since session 24): the model runs in vLLM's
+# scheduler process (its UniProcExecutor, as vLLM runs a single GPU), the whole server pinned to the engine's core.
+# "mp", vLLM CPU's own default: the model in a worker process of its own, its threads bound to the core; the worker
+# and the scheduler wait for each other's messages on a shared-memory queue by spinning (sched_yield) for a second
+# after each one, so under load an engine takes a core and a half (docs/fleet.md, "What the load found").
+EXECUTORS = ("uni", "mp")
+ENGINE = {"executor": "uni"}
+
+
+def set_executor(name: str) -> None:
+    ENGINE["executor"] = name
+
+
 def set_realtime(which: str | bool) -> None:
     """--realtime: the services `which` names ("both", "kvpool" or "redis"; False: none) start under SCHED_FIFO."""
     for name in PRIORITY:
@@ -53,14 +66,18 @@ class Service:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     health: str | None = None  # a URL answering 200 once the service is ready
+    cores: frozenset[int] | None = None  # the CPUs it (and every process it starts) may run on; None: any
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> "Service":
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **self.env}
+        cores = self.cores
+        pin = None if cores is None else lambda: os.sched_setaffinity(0, cores)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                self.cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+                self.cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=pin,
+            )  # fmt: skip
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -106,8 +123,9 @@ def kvpool_service(
 def vllm_service(
     run_dir: Path, name: str, model: Path, kv_cache_bytes: int, max_len: int, kvpool_url: str, core: int
 ) -> Service:
-    """A vLLM OpenAI server whose compute threads are bound to one core (`core`): two replicas on two cores
-    are two devices, rather than two sets of spinning OpenMP threads taking turns on both."""
+    """A vLLM OpenAI server computing on one core (`core`, an index into the CPUs this process may use): two
+    replicas on two cores are two devices, rather than two sets of spinning OpenMP threads taking turns on both.
+    Its executor is ENGINE's (--executor): "uni" pins the whole server to the core, "mp" binds the worker's threads."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     cmd += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
@@ -121,8 +139,19 @@ def vllm_service(
         }  # fmt: skip
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
     # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache between runs.
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), **FIXED_MALLOC}
-    return Service(name, cmd, run_dir / f"{name}.log", env, f"http://127.0.0.1:{port}/health")
+    env = {"VLLM_SERVER_DEV_MODE": "1", **FIXED_MALLOC}
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu = cpus[core % len(cpus)]  # (one CPU: every engine on it)
+    health = f"http://127.0.0.1:{port}/health"
+    if ENGINE["executor"] == "mp":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+        return Service(name, cmd, run_dir / f"{name}.log", env, health)
+    # vLLM CPU runs the UniProcExecutor only with VLLM_ENABLE_V1_MULTIPROCESSING=0 (which the API server, always
+    # apart from its scheduler process, does not otherwise read); its OpenMP threads are then not bound: one thread,
+    # and the process pinned.
+    cmd += ["--distributed-executor-backend", "uni"]
+    env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+    return Service(name, cmd, run_dir / f"{name}.log", env, health, frozenset({cpu}))
 
 
 def redis_service(run_dir: Path, maxmemory: int) -> Service:

@@ -36,7 +36,7 @@ from typing import Any
 
 from benchmarks.serving import clients, measure, phases
 from benchmarks.serving.clients import Workload
-from benchmarks.serving.fleet import REPO, Fleet, set_realtime
+from benchmarks.serving.fleet import EXECUTORS, REPO, Fleet, set_executor, set_realtime
 from benchmarks.serving.model import ModelShape, make_model
 from benchmarks.serving.phases import Sizes, Target
 from benchmarks.serving.targets import BENCH, check_targets, percentile
@@ -321,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         "diagnostic, not the benchmark",
     )  # fmt: skip
     parser.add_argument(
+        "--executor", default="uni", choices=EXECUTORS,
+        help="uni: each engine's model in its scheduler process, the server pinned to its core (default); mp: "
+        "vLLM CPU's own default, a worker process whose threads are bound to the core (its queue spins)",
+    )  # fmt: skip
+    parser.add_argument(
         "--report-only", action="store_true", help="judge and plot OUT/serving.json again (after a change here)"
     )
     args = parser.parse_args(argv)
@@ -331,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     namespaced = False if args.no_netns else in_namespace()
     set_realtime(args.realtime)
+    set_executor(args.executor)
     shape, sizes, work, rates = profile(args.quick)
     rates = args.rates or rates
     args.out.mkdir(parents=True, exist_ok=True)
@@ -340,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(args.model_dir / ("quick" if args.quick else "full"), shape)
     began = time.monotonic()
     print(f"kvpool in a fleet: model {shape}, {sizes}, {work}, rates {rates}, network namespace: {namespaced}")
-    print(f"  under SCHED_FIFO: {args.realtime or 'nothing'}")
+    print(f"  under SCHED_FIFO: {args.realtime or 'nothing'}; engines' executor: {args.executor}")
     session = Session(clients.BenchRunner(run_dir / "vllm-bench.log"), work, run_dir, model)
     chosen = set(args.configs or phases.CONFIGS)
     phase_list: list[tuple[tuple[str, ...], Callable[[Fleet], list[Target]]]] = [
@@ -382,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python -m benchmarks.serving", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": time.monotonic() - began,
         "model": shape.__dict__, "sizes": sizes.__dict__, "workload": work.__dict__, "rates": rates,
-        "configs": phases.CONFIGS, "network_namespace": namespaced, "realtime": args.realtime, "runs": runs,
+        "configs": phases.CONFIGS, "network_namespace": namespaced, "realtime": args.realtime,
+        "executor": args.executor, "runs": runs,
     }  # fmt: skip
     for run in runs:
         for sample in run["samples"]:

@@ -1,4 +1,5 @@
-"""benchmarks/serving/fleet.py: --realtime puts kvpool's servers and redis-server (or one of them) under SCHED_FIFO."""
+"""benchmarks/serving/fleet.py: --realtime puts kvpool's servers and redis-server (or one of them) under SCHED_FIFO;
+--executor runs each engine's model in its scheduler process, pinned to its core (uni), or in vLLM CPU's worker (mp)."""
 
 import os
 import shutil
@@ -48,3 +49,33 @@ def test_realtime_names_which_services_start_ahead(
     ahead = {name: fleet.REALTIME if which in ("both", name) else [] for name in ("kvpool", "redis")}
     assert kvpool[: len(ahead["kvpool"]) + 3] == [*ahead["kvpool"], sys.executable, "-m", "service"]
     assert redis[: len(ahead["redis"]) + 1] == [*ahead["redis"], "redis-server"]
+
+
+def test_a_pinned_service_and_the_processes_it_starts_run_on_its_cores(tmp_path: Path) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    child = "import os; print('child', sorted(os.sched_getaffinity(0)))"
+    script = "import os, subprocess, sys; print('parent', sorted(os.sched_getaffinity(0)), flush=True); "
+    script += f"subprocess.run([sys.executable, '-c', {child!r}])"
+    service = fleet.Service("pinned", [sys.executable, "-c", script], tmp_path / "pinned.log", cores=frozenset({cpu}))
+    service.start()
+    assert service.proc is not None
+    assert service.proc.wait(timeout=30) == 0
+    assert service.log.read_text().split("\n")[:2] == [f"parent [{cpu}]", f"child [{cpu}]"]
+
+
+@pytest.mark.parametrize("executor", fleet.EXECUTORS)
+def test_an_engine_computes_on_its_core_with_either_executor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, executor: str
+) -> None:
+    """uni: vLLM's UniProcExecutor (VLLM_ENABLE_V1_MULTIPROCESSING=0 lets vLLM CPU run it), one OpenMP thread, the
+    whole server pinned to the engine's core; mp: vLLM CPU's worker process, its threads bound there by vLLM."""
+    monkeypatch.setitem(fleet.ENGINE, "executor", executor)
+    cpus = sorted(os.sched_getaffinity(0))
+    engine = fleet.vllm_service(tmp_path, "vllm-x", tmp_path / "model", 1 << 20, 256, "", core=len(cpus) - 1)
+    flag = "--distributed-executor-backend"
+    backend = engine.cmd[engine.cmd.index(flag) + 1] if flag in engine.cmd else None
+    assert backend == ("uni" if executor == "uni" else None)
+    names = ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")
+    expected = {"uni": ("0", "1", None), "mp": (None, None, str(cpus[-1]))}[executor]
+    assert tuple(engine.env.get(name) for name in names) == expected
+    assert engine.cores == (frozenset({cpus[-1]}) if executor == "uni" else None)
