@@ -142,16 +142,17 @@ def vllm_service(
     env = {"VLLM_SERVER_DEV_MODE": "1", **FIXED_MALLOC}
     cpus = sorted(os.sched_getaffinity(0))
     cpu = cpus[core % len(cpus)]  # (one CPU: every engine on it)
-    health = f"http://127.0.0.1:{port}/health"
+    cores = None
     if ENGINE["executor"] == "mp":
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
-        return Service(name, cmd, run_dir / f"{name}.log", env, health)
-    # vLLM CPU runs the UniProcExecutor only with VLLM_ENABLE_V1_MULTIPROCESSING=0 (which the API server, always
-    # apart from its scheduler process, does not otherwise read); its OpenMP threads are then not bound: one thread,
-    # and the process pinned.
-    cmd += ["--distributed-executor-backend", "uni"]
-    env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
-    return Service(name, cmd, run_dir / f"{name}.log", env, health, frozenset({cpu}))
+    else:
+        # vLLM CPU runs the UniProcExecutor only with VLLM_ENABLE_V1_MULTIPROCESSING=0 (which the API server, always
+        # apart from its scheduler process, does not otherwise read); its OpenMP threads are then not bound: one
+        # thread, and the process pinned.
+        cmd += ["--distributed-executor-backend", "uni"]
+        env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+        cores = frozenset({cpu})
+    return Service(name, cmd, run_dir / f"{name}.log", env, f"http://127.0.0.1:{port}/health", cores)
 
 
 def redis_service(run_dir: Path, maxmemory: int) -> Service:
