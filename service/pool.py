@@ -60,13 +60,20 @@ class PoolState:
         self.ready = True
 
     async def create_sequence(
-        self, seq_id: str | None, token_ids: list[int] | None, tenant: str, ttl_s: float, cache_salt: str
+        self,
+        seq_id: str | None,
+        token_ids: list[int] | None,
+        tenant: str,
+        ttl_s: float,
+        cache_salt: str,
+        reserve_to: int | None = None,
     ) -> Sequence:
         """POST /v1/sequences: the pages of the prompt the device lost back from the tiers, then the
-        core's create, with no await in between (so it finds every restored page in the device's index)."""
+        core's create (and its reservation), with no await in between (so it finds every restored page in
+        the device's index)."""
         if token_ids:
             await self.cache.restore(token_ids, tenant, cache_salt)
-        return self.sequences.create(seq_id, token_ids, tenant, ttl_s, cache_salt)
+        return self.sequences.create(seq_id, token_ids, tenant, ttl_s, cache_salt, reserve_to)
 
     def open_ipc_socket(self, authorize: Callable[[str | None], None]) -> None:
         """memfd pools: serve the descriptors on a Unix socket (at app start, closed by close())."""

@@ -130,9 +130,10 @@ class Calls:
         ttl_s: float | None = None,
         cache_salt: str | None = None,
         instance: bool = False,
+        reserve_to: int | None = None,
     ) -> Call[SequenceInfo]:
         fields: dict[str, Any] = {"seq_id": seq_id, "token_ids": None if token_ids is None else list(token_ids)}
-        fields |= {"ttl_s": ttl_s, "cache_salt": cache_salt}
+        fields |= {"ttl_s": ttl_s, "cache_salt": cache_salt, "reserve_to": reserve_to}
         body = {name: value for name, value in fields.items() if value is not None}
         path = f"/v1/sequences{'?instance=true' if instance else ''}"
         return Call("POST", path, SequenceInfo.model_validate_json, body)

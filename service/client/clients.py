@@ -62,11 +62,14 @@ class KVPoolClient(_Base):
         ttl_s: float | None = None,
         cache_salt: str | None = None,
         instance: bool = False,
+        reserve_to: int | None = None,
     ) -> SequenceInfo:
         """ttl_s: the sequence's lease (default KVPOOL_DEFAULT_TTL_S; 0: none), renewed by every call naming it.
         cache_salt: prefixes are shared only between sequences with the same salt (and tenant).
-        instance: the answer's .instance_id names the server's instance (whose pool holds the pages)."""
-        return self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt, instance))
+        instance: the answer's .instance_id names the server's instance (whose pool holds the pages).
+        reserve_to: the token ids past the cached prefix up to this many also appended (for K/V written
+        through the pool's mapping), where pages allow: the answer's .length says whether they were."""
+        return self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt, instance, reserve_to))
 
     def get_sequence(self, seq_id: str, instance: bool = False) -> SequenceInfo:
         """instance: the answer's .instance_id names the server's instance."""
@@ -189,11 +192,14 @@ class AsyncKVPoolClient(_Base):
         ttl_s: float | None = None,
         cache_salt: str | None = None,
         instance: bool = False,
+        reserve_to: int | None = None,
     ) -> SequenceInfo:
         """ttl_s: the sequence's lease (default KVPOOL_DEFAULT_TTL_S; 0: none), renewed by every call naming it.
         cache_salt: prefixes are shared only between sequences with the same salt (and tenant).
-        instance: the answer's .instance_id names the server's instance (whose pool holds the pages)."""
-        return await self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt, instance))
+        instance: the answer's .instance_id names the server's instance (whose pool holds the pages).
+        reserve_to: the token ids past the cached prefix up to this many also appended (for K/V written
+        through the pool's mapping), where pages allow: the answer's .length says whether they were."""
+        return await self._run(Calls.create_sequence(seq_id, token_ids, ttl_s, cache_salt, instance, reserve_to))
 
     async def get_sequence(self, seq_id: str, instance: bool = False) -> SequenceInfo:
         """instance: the answer's .instance_id names the server's instance."""

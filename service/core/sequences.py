@@ -124,6 +124,7 @@ class SequenceTable:
         tenant: str = "",
         ttl_s: float = 0.0,
         cache_salt: str = "",
+        reserve_to: int | None = None,
     ) -> Sequence:
         """A new sequence; with token_ids, it starts on the longest cached run of full pages.
         Token ids (here and in append) are a list of ints or a 1-D numpy integer array (no per-id
@@ -132,9 +133,16 @@ class SequenceTable:
         ttl_s > 0 gives it a lease: expire() frees it once ttl_s seconds pass without a call naming it.
         cache_salt (e.g. vLLM's per-request cache_salt) salts the sequence's prefix hashes like the
         tenant does: sequences with different salts never share pages.
+        reserve_to: the token ids from the end of the cached prefix up to `reserve_to` also appended (slots
+        whose K/V the client writes, as append() without data gives), where the pages and the tenant's quota
+        allow; where they do not, the sequence holds the cached prefix only (its length says which). An engine
+        that will save the prompt it looks up asks for both in one call.
         """
         if not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise InvalidRequest(f"ttl_s must be a finite number >= 0, not {ttl_s}")
+        num_ids = 0 if token_ids is None else len(token_ids)
+        if reserve_to is not None and not 0 <= reserve_to <= num_ids:
+            raise InvalidRequest(f"reserve_to must be within the {num_ids} token ids given, not {reserve_to}")
         seq_id = self.registry.new_id(seq_id, tenant)
         hits, last_name, tokens = self.prefixes.match([] if token_ids is None else token_ids, tenant, cache_salt)
         num_cached = len(hits) * self.page_size
@@ -143,6 +151,11 @@ class SequenceTable:
         if token_ids is not None and len(token_ids):
             self.stats.prefix_query_tokens += len(token_ids)
             self.stats.prefix_hit_tokens += num_cached
+        if token_ids is not None and reserve_to is not None and reserve_to > num_cached:
+            try:  # (the cached prefix is whole pages: the reservation starts a page, no copy-on-write)
+                self.append(seq_id, reserve_to - num_cached, token_ids[num_cached:reserve_to], False, tenant)
+            except (OutOfPages, QuotaExceeded):  # refused whole: nothing appended, the create stands
+                pass
         return seq
 
     def fork(self, parent_id: str, child_id: str | None = None, tenant: str = "") -> Sequence:

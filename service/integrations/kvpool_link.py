@@ -175,16 +175,21 @@ class KVPoolLink:
             self.fault(exc.code if exc.code in ("out_of_pages", "quota_exceeded") else "error", exc)
 
     # -- the calls the connector makes ----------------------------------------------------------
-    def create(self, token_ids: list[int], cache_salt: str | None) -> SequenceInfo | None:
-        """A sequence on the longest cached prefix of `token_ids`, or None (a fault).
+    def create(
+        self, token_ids: list[int], cache_salt: str | None, reserve_to: int | None = None
+    ) -> SequenceInfo | None:
+        """A sequence on the longest cached prefix of `token_ids` (`reserve_to`: and the rest of them up to that
+        many appended, where kvpool has the pages), or None (a fault).
 
         The id is ours, so a create whose answer is lost (a timeout: the server may still run it)
-        is freed once kvpool answers again. ttl_s=0: no lease even where KVPOOL_DEFAULT_TTL_S is set
+        is freed once kvpool answers again, uncommitted. ttl_s=0: no lease even where KVPOOL_DEFAULT_TTL_S is set
         (an expiry frees, and a free commits pages whose K/V a save may not have written yet).
         """
         seq_id = uuid.uuid4().hex
         try:
-            return self.client.create_sequence(seq_id, token_ids, ttl_s=0, cache_salt=cache_salt, instance=True)
+            return self.client.create_sequence(
+                seq_id, token_ids, ttl_s=0, cache_salt=cache_salt, instance=True, reserve_to=reserve_to
+            )
         except (httpx.TimeoutException, httpx.ReadError, httpx.RemoteProtocolError) as exc:
             self._orphans.add(seq_id)  # the request went out: the server may have run it
             self.record(exc)

@@ -14,6 +14,7 @@ A pin whose loads not every rank has reported stays held until they have: none o
 a rank copies from it.
 """
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -78,7 +79,7 @@ class Releases:
         if commit:
             self._waiting()
             if at_once:
-                self._since = 0.0  # (as if it had waited FREE_WAIT_S)
+                self._since = -math.inf  # (as if it had waited wait_s, whatever that is)
             self.to_free.append(seq_id)
         else:
             self._submit(lambda: self._link.discard(seq_id))
@@ -114,7 +115,7 @@ class Releases:
         have waited)."""
         if frees:
             self.keep([], frees)
-            self._since = 0.0
+            self._since = -math.inf
 
     def flush(self, busy: bool, now: bool = False) -> None:
         """What waits, in one call of its own on the connector's thread (written, its answer read with the link's

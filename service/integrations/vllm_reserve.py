@@ -4,15 +4,17 @@ step waits for a call to kvpool to save.
 A save needs kvpool pages for its tokens before the step's forward, so that every rank writes into the same
 pages. Appended by that step, the step waited for the call: under load 2-10 ms a request, a round trip waiting
 for a core (session 19's fleet runs, docs/fleet.md). Two saves are known a step or more ahead:
-- a new prompt's full pages, right after its lookup's create (vLLM computes the prompt meanwhile);
+- a new prompt's full pages, by its lookup's create itself (`reserve_to`: one call, where a create and a step
+  cost two round trips and twice kvpool's handling; created_reservation), or right after it where the lookup
+  waits for a producer's save (vLLM computes the prompt meanwhile);
 - a finished request's last pages (those its decoding filled since its last save), when vLLM reports it finished:
   the next step saves them, its blocks kept until then.
-The connector writes the append and goes on; the answer is read with the link's next call (by the step that
-saves, it has long arrived). The pages are appended without their K/V, so nothing may name the sequence until
-every rank has reported the save written (a step naming it commits them): the scheduler appends nothing more to
-it before then, and releases one it never saved into uncommitted.
+Appended by a step of their own (reserve), the connector writes the append and goes on; the answer is read with
+the link's next call (by the step that saves, it has long arrived). The pages are appended without their K/V, so
+nothing may name the sequence until every rank has reported the save written (a step naming it commits them): the
+scheduler appends nothing more to it before then, and releases one it never saved into uncommitted.
 
-The scheduler's commits of written saves and frees of released sequences ride on the same call (a `POST
+The scheduler's commits of written saves and frees of released sequences ride on a reservation's step (a `POST
 /v1/step`: the append, the sequence and the commits listed, the frees; a listed row commits only what it held
 before the step's appends), where each went in a call of its own. Refused whole (out of pages, over quota, a
 sequence gone), nothing of it was applied: the reservation is left undone (the save appends in its step, as
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from service.client.calls import Calls, StepResult
+from service.client.calls import Calls, SequenceInfo, StepResult
 from service.core.errors import KVPoolError
 from service.integrations.kvpool_link import KVPoolLink
 from service.integrations.vllm_saves import free_all
@@ -47,6 +49,28 @@ class Reservation:
     def unwritten(self) -> bool:
         """The sequence may hold pages without their K/V (released uncommitted, never committed)."""
         return self.state != "refused"
+
+
+def created_reservation(link: KVPoolLink, info: SequenceInfo, end: int) -> Reservation | None:
+    """The reservation a lookup's create made with `reserve_to=end` (its answer in hand): made where the sequence
+    reaches `end`, refused where kvpool lacked the pages (the sequence holds the cached prefix only); None where
+    the cached prefix reaches `end` (nothing to reserve)."""
+    start = info.cached_tokens
+    if end <= start:
+        return None
+    link.stats["reservations"] += 1
+    reservation = Reservation(info.seq_id, start, end)
+    if info.length == start:  # (not a fault: the save appends then, and finds out)
+        link.stats["reservations_refused"] += 1
+        reservation.state = "refused"
+    elif info.length == end:
+        reservation.pages = info.block_table[: -(-end // link.page_size)]
+        reservation.instance_id = info.instance_id or ""
+        reservation.state = "made"
+    else:  # neither: never written, released uncommitted (as a lost one)
+        link.stats["internal_errors"] += 1
+        reservation.state = "lost"
+    return reservation
 
 
 def reserve(

@@ -10,8 +10,8 @@ per request, however many ranks load it.
 Each step's plan (KVPoolMetadata) names the loads of the blocks just allocated for a hit and a save for every
 request whose computed prompt filled more kvpool pages: a prompt prefilled in chunks (longer than the step's
 token budget, or sharing it) is saved in one append with its last chunk, not one per chunk (each append is a
-call to kvpool that the step waits for). That append is made with the lookup, its answer not waited for
-(vllm_reserve): the prompt's save then needs no call at all. Pages filled while a request decodes ride on a
+call to kvpool that the step waits for). That append is made by the lookup's create (vllm_reserve): the prompt's
+save then needs no call at all. Pages filled while a request decodes ride on a
 call made anyway (a prompt's save whose reservation failed, a finished request's save not reserved) until the
 request finishes: what is left is appended then, its answer not waited for (vllm_reserve), and saved by the
 next step (vLLM keeps its blocks until they are written). A decoding request thus makes
@@ -110,7 +110,8 @@ class KVPoolConnectorScheduler:
         link, token_ids, salt = self._link, list(request.all_token_ids), request.cache_salt
         expected = announced(link, request.kv_transfer_params, len(token_ids))
         reserving = self._role.saves and self._role.reserve
-        commit, frees = self._releases.take() if reserving else ([], [])
+        # (Where nothing is expected the create reserves, and carries no commits or frees: vllm_lookup.)
+        commit, frees = self._releases.take() if reserving and expected else ([], [])
         wait_s = self._role.load_wait_s
         looked_up = self._thread.call(
             lambda: look_up(link, token_ids, salt, expected, wait_s, reserving, commit, frees)

@@ -78,6 +78,14 @@ class CreateSequence(Strict):
         description="salts the prefix hashes like the tenant does (vLLM's per-request cache_salt): "
         "sequences with different salts never share cached pages",
     )
+    reserve_to: int | None = Field(
+        None,
+        ge=0,
+        description="also append token_ids from the end of the cached prefix up to this many tokens (slots whose "
+        "K/V the client writes, as an append without k/v; committed by a later step listing the sequence, or its "
+        "free), where the pages and the quota allow; where they do not, the sequence holds the cached prefix only: "
+        "its length says which. At most len(token_ids)",
+    )
 
 
 class ForkSequence(Strict):

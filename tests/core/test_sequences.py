@@ -304,6 +304,51 @@ def test_prefix_hit_after_a_free_reuses_the_full_pages() -> None:
     assert table_of(t, "b") == [0, 1, 2]
 
 
+def test_a_create_reserving_appends_the_rest_of_its_token_ids_uncommitted() -> None:
+    t = make_table()
+    fill(t, "a", 10, P10)
+    t.free("a")  # pages 0 and 1 cached (P10's two full pages), 2 freed
+    ids = [*P10[:8], 41, 42, 43, 44, 51, 52]  # the cached two pages, then a page and a half of new tokens
+    b = t.create("b", ids, reserve_to=12)
+    assert (b.cached_tokens, t.length(b), t.block_table(b)) == (8, 12, [0, 1, 2])
+    assert t.allocator.page_name(2) is None  # its K/V not written: committed by a later call naming it
+    assert counts(t) == (3, 0, 5) and t.stats.prefix_query_tokens == 14 and t.stats.prefix_hit_tokens == 8
+    t.free("b")  # (a free commits the written pages: here it says the client wrote them)
+    assert t.allocator.page_name(2) == prefix_hashes(ids[:12], 4)[2]
+    c = t.create("c", ids, reserve_to=8)  # nothing beyond the cached prefix to reserve
+    assert (c.cached_tokens, t.length(c), t.block_table(c)) == (12, 12, [0, 1, 2])
+
+
+@pytest.mark.parametrize("limit", ["pages", "quota"])
+def test_a_reservation_kvpool_cannot_make_leaves_the_create_on_its_cached_prefix(limit: str) -> None:
+    def table() -> SequenceTable:  # two pages of P10 cached; the pool (or the tenant's quota) has 3 more at most
+        t = make_table(num_pages=5 if limit == "pages" else 8, max_pages_per_tenant=0 if limit == "pages" else 5)
+        fill(t, "a", 8, P10[:8])
+        t.free("a")
+        return t
+
+    ids = [*P10[:8], *range(100, 116)]  # four new pages to reserve: one too many
+    t, plain = table(), table()
+    b = t.create("b", ids, reserve_to=24)
+    assert (b.cached_tokens, t.length(b), t.block_table(b)) == (8, 8, [0, 1])
+    plain.create("b", ids)
+    assert snapshot(t) == snapshot(plain)  # exactly a create without the reservation
+    assert t.stats.allocation_failures == (1 if limit == "pages" else 0)  # (a quota is not the pool running out)
+    t.free("b")
+    assert t.create("c", ids, reserve_to=20).cached_tokens == 8 and table_of(t, "c") == [0, 1, 2, 3, 4]
+
+
+def test_a_reservation_beyond_the_token_ids_is_refused_before_anything_changes() -> None:
+    t = make_table()
+    before = snapshot(t)
+    with pytest.raises(InvalidRequest, match="reserve_to"):
+        t.create("a", P10, reserve_to=11)
+    with pytest.raises(InvalidRequest, match="reserve_to"):
+        t.create("a", None, reserve_to=1)
+    assert snapshot(t) == before
+    assert t.length(t.create("a", P10, reserve_to=10)) == 10
+
+
 def test_a_hit_on_pages_no_row_held_widens_the_tables() -> None:
     """Pages a tier restored (committed straight into the prefix index, as service/tiers/cache.py does)
     never sat in a block table: a first create hitting more of them than a row holds widens the tables

@@ -1,6 +1,7 @@
 """A new request's lookup (vllm_lookup) against a real `kvpool serve`: the pin holds the cached prefix (the
 prompt's token and one more looked up), a consumer waits, bounded, for what a producer announced, the
-reservation carries the commits and frees, and the announcements name this kvpool only."""
+reservation of the prompt's pages is made by the create (a consumer's, by a step carrying the commits and frees),
+and the announcements name this kvpool only."""
 
 import threading
 import time
@@ -13,34 +14,72 @@ from service.client import KVPoolClient
 from service.integrations.vllm_lookup import LOAD_WAIT_POLL_S, announced, announcement, look_up
 from tests.integrations.test_vllm import model_dir, tokens
 from tests.integrations.test_vllm_releases import cached
+from tests.integrations.test_vllm_saves import calls
 from tests.integrations.test_vllm_scheduler import PAGE, connected, exists, settle
 
 __all__ = ["model_dir"]  # the tiny Llama fixture of test_vllm.py, shared
 
 
-def test_the_pin_holds_the_cached_prefix_and_the_reservation_carries_the_commits_and_frees(model_dir: str) -> None:
+def test_the_pin_holds_the_cached_prefix_and_its_create_reserves_the_prompts_pages(model_dir: str) -> None:
     with connected(model_dir) as (server, thread, link), KVPoolClient(server.url) as client:
         prompt = tokens(1, 3 * PAGE)  # three full pages: the last token's page matches only with one more
         client.create_sequence("seed")
         seeded = client.append("seed", token_ids=prompt)
         client.free("seed")  # committed: all three pages cached
+        before = calls(server)
+
+        found = thread.call(lambda: look_up(link, prompt, None, 0, 2.0, True, [], []))
+        assert found is not None
+        info, reservation = found
+        assert info.cached_tokens == 3 * PAGE and info.block_table[:3] == seeded.block_table[:3]
+        assert reservation is None  # every full page of the prompt is cached: nothing to reserve
+        assert info.length == 3 * PAGE and link.stats["lookups"] == 1 and link.stats["lookup_ns"] > 0
+
+        longer = [*prompt, *tokens(3, 2 * PAGE + 5)]  # two full pages more to reserve (the 5 tokens: no page)
+        found = thread.call(lambda: look_up(link, longer, None, 0, 2.0, True, [], []))
+        assert found is not None and found[1] is not None
+        info, reservation = found
+        assert (reservation.start, reservation.end, reservation.state) == (3 * PAGE, 5 * PAGE, "made")
+        assert reservation.instance_id == link.instance_id
+        held = client.get_sequence(info.seq_id)  # at once, no answer to wait for: the create made it
+        assert held.length == 5 * PAGE and held.cached_tokens == 3 * PAGE
+        assert reservation.pages == held.block_table[:5] and reservation.pages[:3] == seeded.block_table[:3]
+        grown = calls(server) - before
+        assert grown["POST /v1/sequences"] == 2 and grown["POST /v1/step"] == 0, grown  # one call per lookup
+        assert cached(client, longer) == 3 * PAGE  # the reserved pages hold no K/V: not committed
+        assert link.stats["reservations"] == 1 and "reservations_refused" not in link.stats
+
+
+def test_a_reservation_kvpool_cannot_make_leaves_the_pin_on_the_cached_prefix(model_dir: str) -> None:
+    with connected(model_dir) as (server, thread, link), KVPoolClient(server.url) as client:
+        free_pages = client.pool()["pages_free"]
+        prompt = tokens(5, (free_pages + 1) * PAGE)  # more pages than the pool has
+        found = thread.call(lambda: look_up(link, prompt, None, 0, 2.0, True, [], []))
+        assert found is not None and found[1] is not None
+        info, reservation = found
+        assert reservation.state == "refused" and reservation.pages == []  # (not a fault: the save appends later)
+        assert (info.length, info.cached_tokens) == (0, 0) and client.pool()["pages_used"] == 0
+        assert link.stats["reservations_refused"] == 1 and link.usable()
+
+
+def test_a_consumers_reservation_goes_in_a_step_carrying_the_commits_and_frees(model_dir: str) -> None:
+    with connected(model_dir) as (server, thread, link), KVPoolClient(server.url) as client:
+        prompt = tokens(1, 3 * PAGE)
+        client.create_sequence("seed")
+        client.append("seed", token_ids=prompt)
+        client.free("seed")
         other = tokens(2, 2 * PAGE)
         client.create_sequence("to-free")
         client.append("to-free", token_ids=other)  # appended without K/V: committed by its free
         assert cached(client, other) == 0
 
-        found = thread.call(lambda: look_up(link, prompt, None, 0, 2.0, True, [], ["to-free"]))
-        assert found is not None
-        info, reservation = found
-        assert info.cached_tokens == 3 * PAGE and info.block_table[:3] == seeded.block_table[:3]
-        assert reservation is None  # every full page of the prompt is cached: nothing to reserve or carry
-        assert exists(server, "to-free") and link.stats["lookups"] == 1 and link.stats["lookup_ns"] > 0
-
+        # A consumer expecting what kvpool holds already: its create reserves nothing, a step after it does.
         longer = [*prompt, *tokens(3, 2 * PAGE)]  # two pages more to reserve: the free rides on the append
-        found = thread.call(lambda: look_up(link, longer, None, 0, 2.0, True, [], ["to-free"]))
+        found = thread.call(lambda: look_up(link, longer, None, 3 * PAGE, 2.0, True, [], ["to-free"]))
         assert found is not None and found[1] is not None
         assert (found[1].start, found[1].end) == (3 * PAGE, 5 * PAGE)
         settle(thread, link)
+        assert found[1].state == "made" and client.get_sequence(found[0].seq_id).length == 5 * PAGE
         assert not exists(server, "to-free") and cached(client, other) == 2 * PAGE
         assert link.stats["frees"] == 1
 

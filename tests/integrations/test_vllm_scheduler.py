@@ -222,12 +222,14 @@ def test_decoded_pages_ride_on_a_call_made_anyway_until_the_request_finishes(mod
 
 
 def test_reserved_pages_take_every_save_off_the_steps_and_carry_the_commits_and_frees(model_dir: str) -> None:
-    """With reservations: a prompt's pages are appended right after its lookup, a finished request's last pages
-    when it finishes, neither answer waited for; no step waits for a call to save, and the written saves' commits
-    and the finished requests' frees ride on those appends where they come first. A request that cannot fill
-    another page has its written save freed (committing) rather than held."""
+    """With reservations: a prompt's pages are appended by its lookup's create, a finished request's last pages
+    when it finishes (that answer not waited for); no step waits for a call to save, and the written saves'
+    commits and the finished requests' frees ride on the finished requests' appends where they come first (a
+    create carries none). A request that cannot fill another page has its written save freed (committing)
+    rather than held."""
     with connected(model_dir) as (server, thread, link):
         scheduler = KVPoolConnectorScheduler(link, thread, Counter(), PAGE, 1, Role())
+        scheduler._releases.wait_s = 3600  # (nothing flushed for having waited: what rides on what is exact)
         steps = Steps(scheduler, 1)
         a = Request("a", tokens(5, 40), SamplingParams(max_tokens=100), None)
         b = Request("b", tokens(6, 50), SamplingParams(max_tokens=17), None)
@@ -240,29 +242,30 @@ def test_reserved_pages_take_every_save_off_the_steps_and_carry_the_commits_and_
             return saved(meta)
 
         steps.add(a)
-        assert step() == [("a", 0, 32)]  # into the pages reserved with its lookup
+        assert step() == [("a", 0, 32)]  # into the pages its lookup's create reserved
         assert len(scheduler._releases.to_commit) == 1  # a's prompt: written by every rank, to commit
-        steps.add(b)  # b's lookup: its reservation carries that commit
-        link.client.settle()  # (its answer read: counted)
-        assert not scheduler._releases.to_commit and link.stats["commits"] == 1 and link.stats.get("free_calls", 0) == 0
-        assert step() == [("b", 0, 48)]  # (nothing rides on a reservation: a's decoded pages wait)
+        steps.add(b)  # b's lookup: its create reserves b's pages and carries no commit
+        assert len(scheduler._releases.to_commit) == 1 and link.stats.get("commits", 0) == 0
+        assert step() == [("b", 0, 48)]  # (nothing else rides on anything: a's decoded pages wait)
+        assert len(scheduler._releases.to_commit) == 2  # b's prompt too
         assert [step() for _ in range(16)] == [[]] * 16  # through b's 17th and last token
         assert b.num_output_tokens == 17 and a.num_computed_tokens == 57
         assert steps.finish(b)  # b's last page appended now to its prompt's sequence: vLLM keeps its blocks
         assert b.request_id in scheduler._finishing and scheduler._finishing["b"].reserved is not None
+        link.client.settle()  # (its answer read: counted) a's commit rode on it, b's is that append's own
+        assert not scheduler._releases.to_commit and link.stats["commits"] == 1 and link.stats.get("free_calls", 0) == 0
         assert step() == [("b", 48, 64)] and steps.scheduler._finishing == {}
         assert len(scheduler._releases.to_free) == 1  # b's sequence, written: to free (committing)
-        steps.add(c)  # its lookup's reservation carries that free
-        link.client.settle()
-        assert scheduler._releases.to_free == [] and link.stats["frees"] == 1
+        steps.add(c)  # its lookup's create carries no free
+        assert len(scheduler._releases.to_free) == 1 and link.stats.get("frees", 0) == 0
         assert step() == [("c", 0, 16)]
         # c cannot fill another page (20 + 2 - 1 tokens at most): its written save is to be freed, not held
-        assert "c" not in scheduler._held and len(scheduler._releases.to_free) == 1
-        free_calls, commits = link.stats.get("free_calls", 0), link.stats["commits"]
-        assert step() == []  # (c's second and last token) the free goes with this step
+        assert "c" not in scheduler._held and len(scheduler._releases.to_free) == 2
+        commits = link.stats["commits"]
+        assert step() == []  # (c's second and last token) both frees go with this step, in one call
         settle(thread, link)
-        assert scheduler._releases.to_free == [] and link.stats["free_calls"] == free_calls + 1
-        assert link.stats["commits"] == commits  # (the free committed c's page: no commit of its own)
+        assert scheduler._releases.to_free == [] and (link.stats["free_calls"], link.stats["frees"]) == (1, 2)
+        assert link.stats["commits"] == commits  # (the frees committed b's and c's pages: no commit of their own)
         steps.finish(c)  # nothing to save or free
         assert not scheduler._releases.to_free
         while a.num_computed_tokens < 81:
@@ -274,7 +277,8 @@ def test_reserved_pages_take_every_save_off_the_steps_and_carry_the_commits_and_
         settle(thread, link)
         made = calls(server)
         assert (link.stats["saves"], link.stats["reservations"]) == (5, 5), link.stats
-        assert made["POST /v1/step"] == 5 + link.stats["free_calls"] and made["POST /v1/sequences"] == 3, made
+        # Three creates (each reserving its prompt), two finished requests' appends, the calls of frees alone.
+        assert made["POST /v1/step"] == 2 + link.stats["free_calls"] and made["POST /v1/sequences"] == 3, made
         assert made["POST /v1/sequences/{seq_id}/append"] == 0 and made["DELETE /v1/sequences/{seq_id}"] == 0, made
         with KVPoolClient(server.url) as client:  # kvpool holds a's 80 tokens, b's 64 and c's 16
             for name, request, cached in (("a", a, 80), ("b", b, 64), ("c", c, 16)):

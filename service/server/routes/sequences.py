@@ -55,10 +55,11 @@ def sequence_body(pool: PoolState, seq: Sequence, instance: bool = False) -> dic
 async def create_sequence(
     request: Request, pool: StateDep, tenant: TenantDep, instance: InstanceQuery = False
 ) -> Response:
-    """Allocate a sequence; with token_ids it starts on the longest cached prefix of full pages."""
+    """Allocate a sequence; with token_ids it starts on the longest cached prefix of full pages (and with
+    reserve_to, goes on with slots for the rest of those token ids, where pages allow)."""
     body = await read_json(request, CreateSequence)
     ttl_s = pool.settings.default_ttl_s if body.ttl_s is None else body.ttl_s
-    seq = await pool.create_sequence(body.seq_id, body.token_ids, tenant, ttl_s, body.cache_salt or "")
+    seq = await pool.create_sequence(body.seq_id, body.token_ids, tenant, ttl_s, body.cache_salt or "", body.reserve_to)
     return json_response(sequence_body(pool, seq, instance), 201)
 
 
