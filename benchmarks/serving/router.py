@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -182,10 +183,10 @@ class Router:
         tokens it is expected to compute there (its load there until its first byte)."""
         if self.policy == "rr" or len(self.backends) == 1:
             return next(self.turn), 0, 0.0
-        began = asyncio.get_running_loop().time()
+        began = time.perf_counter_ns()  # (not the loop's clock: uvloop's counts whole milliseconds)
         token_ids = await self.token_ids(path, body)
         scores = await self.matched(token_ids)
-        self.route_ns += int((asyncio.get_running_loop().time() - began) * 1e9)
+        self.route_ns += time.perf_counter_ns() - began
         self.chosen += 1
         compute = computed(len(token_ids), scores, self.shared_tier, self.restore_weight)
         cost = costs(compute, self.prefilling, self.active)
@@ -202,12 +203,21 @@ class Router:
             )
             return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
         body = json.loads(raw)
+        arrived = time.perf_counter()
         index, load, compute = await self.choose(path, body)
+        routed_s = time.perf_counter() - arrived
         self.in_flight[index] += 1
         self.active[index] += load
         self.prefilling[index] += compute
         self.routed[index] += 1
-        record: dict[str, Any] = {"path": path, "body": body, "backend": index}
+        record: dict[str, Any] = {"path": path, "body": body, "backend": index, "arrived": arrived}
+        # (the nodes' loads as they were when it was routed, this request's own included)
+        record |= {
+            "route_s": routed_s,
+            "compute": compute,
+            "prefilling": list(self.prefilling),
+            "active": list(self.active),
+        }
         prefilled = False
 
         def prefill_done() -> None:  # (once: at the first byte, or when the request ends without one)
@@ -215,6 +225,7 @@ class Router:
             if not prefilled:
                 prefilled = True
                 self.prefilling[index] -= compute
+                record["first_byte_s"] = time.perf_counter() - arrived
 
         upstream = self.client.build_request("POST", f"{self.backends[index]}/{path}", content=raw, headers=JSON_BODY)
         try:

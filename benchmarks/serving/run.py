@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving import clients, measure, phases
+from benchmarks.serving import clients, holders, measure, phases
 from benchmarks.serving.clients import Workload
 from benchmarks.serving.fleet import EXECUTORS, REPO, Fleet, set_executor, set_realtime
 from benchmarks.serving.model import ModelShape, make_model
@@ -134,6 +134,7 @@ def run_once(
         "wall_s": time.monotonic() - began, "server": server, "kvpool_pages_used_after": pages_left,
     }  # fmt: skip
     run["router"] = measure.routing(routed_before, measure.router_stats(target.url))
+    run["holders"] = holders.by_holder(lines)  # where each prompt was held when routed, from the proxy's log
     # The servers' counters cover every request the engines served meanwhile, the clients' own warm-ups among them
     # (LMCache's QA client first sends one request of 100 new tokens per user), which the clients leave out of
     # their counts: per request here is per request the proxy passed on.
@@ -186,7 +187,16 @@ def summary_line(run: dict[str, Any]) -> str:
         f"(vLLM {s['cached_tokens_vllm']:.0f}, kvpool {s['cached_tokens_kvpool']:.0f} of {s['prompt_tokens']:.0f})  "
         f"kvpool hits {s['kvpool_hit_rate']:.2f}  pages left {run['kvpool_pages_used_after']}"
         + (f"  routing {route:.1f} ms/request" if (route := run["router"]["route_ms_per_request"]) else "")
+        + held_line(run["holders"])
     )
+
+
+def held_line(classes: dict[str, dict[str, Any]]) -> str:
+    """Where the prompts were held (holders.py) where some were held elsewhere: counts, and p50 to the first byte."""
+    if not classes["restored"]["requests"]:
+        return ""
+    parts = [f"{n} {c['requests']} ({c['first_byte_p50_ms']:.0f} ms)" for n, c in classes.items() if c["requests"]]
+    return "  held: " + ", ".join(parts)
 
 
 TOP_UP_STEP = 1.5  # each rate a and b run at once more is this times the highest a ran at

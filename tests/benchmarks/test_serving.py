@@ -107,6 +107,28 @@ def test_the_prefix_routers_tokenized_as_vllm_does(report: dict[str, Any]) -> No
         assert router["prefilling_after"] == pytest.approx([0, 0], abs=1e-6), run["label"]
 
 
+def test_each_proxied_request_is_logged_with_its_routing_and_first_byte(report: dict[str, Any]) -> None:
+    """The routers' request logs (the per-request view behind docs/fleet.md's routing figures): the node chosen,
+    the time choosing took, the nodes' loads then, and the time to the first byte, each from the proxy's clock."""
+    logs = sorted((report["out"] / "logs").glob("router-*.requests.jsonl"))
+    routers = {"a", "b", "c", "d", "e", "f-match"} | ({"f"} if report["network_namespace"] else set())
+    assert {p.name for p in logs} == {f"router-{c}.requests.jsonl" for c in routers}
+    for log in logs:
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        assert lines, log.name
+        for line in lines:
+            nodes = len(line["active"])
+            assert 0 <= line["backend"] < nodes and len(line["prefilling"]) == nodes, log.name
+            assert line["active"][line["backend"]] >= 0 and line["compute"] >= 0, log.name
+            assert 0 <= line["route_s"] < line["first_byte_s"], log.name
+    for run in report["runs"]:  # each run's requests classed by where their prompts were held (holders.py)
+        classes = run["holders"]
+        assert sum(c["requests"] for c in classes.values()) == run["proxied"], run["label"]
+        assert classes["miss"]["requests"] > 0, run["label"]  # (each run starts from emptied caches)
+        if run["config"] in ("a", "b"):  # one node: nothing is held anywhere else
+            assert classes["restored"]["requests"] == 0, run["label"]
+
+
 def test_replays_one_at_a_time_match_vllm_alone(report: dict[str, Any]) -> None:
     per_config: dict[str, int] = {}
     for run in report["runs"]:
