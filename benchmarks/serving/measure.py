@@ -156,6 +156,7 @@ def summarize(counters: dict[str, dict[str, float]]) -> dict[str, Any]:
         # pages a tier holds, the time reading them back (K/V bytes into the pool), and those bytes.
         "kvpool_tier_lookup_s": k.get("kvpool_tier_lookup_seconds_total", 0.0),
         "kvpool_tier_load_s": k.get("kvpool_tier_load_seconds_total", 0.0),
+        "kvpool_tier_load_wait_s": k.get("kvpool_tier_load_wait_seconds_total", 0.0),
         "kvpool_tier_bytes_in": k.get("kvpool_tier_bytes_in_total", 0.0),
         # The connector's own counters (service/integrations/vllm_stats: vllm:kvpool_connector_total).
         "connector": {

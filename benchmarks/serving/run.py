@@ -162,6 +162,7 @@ def bookkeeping(run: dict[str, Any], server: dict[str, Any], served: int) -> Non
     run["kvpool_http_ms_per_request"] = 1e3 * server["kvpool_http_s"] / served
     run["kvpool_tier_lookup_ms_per_request"] = 1e3 * server.get("kvpool_tier_lookup_s", 0.0) / served
     run["kvpool_restore_ms_per_request"] = 1e3 * server.get("kvpool_tier_load_s", 0.0) / served
+    run["kvpool_restore_wait_ms_per_request"] = 1e3 * server.get("kvpool_tier_load_wait_s", 0.0) / served
     worst = max(run["connector_ms_per_request"], run["kvpool_http_ms_per_request"])
     run["kvpool_bookkeeping_fraction"] = worst / run["ttft_mean_ms"]
 

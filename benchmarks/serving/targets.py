@@ -149,7 +149,7 @@ def results_table(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| config | client | rate | requests | TTFT p50 / p90 / p99 / mean (ms) | ITL p50 (ms) | out tok/s | cached "
         "(vLLM + kvpool) | kvpool hit rate | connector ms/req | kvpool HTTP ms/req | remote tier ms/req (asking + "
-        "reading) | kvpool CPU ms/req (waiting for a core) | routing ms/req |",
+        "reading, of which waiting for bytes) | kvpool CPU ms/req (waiting for a core) | routing ms/req |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
@@ -164,6 +164,8 @@ def results_table(runs: list[dict[str, Any]]) -> list[str]:
         restores = "–"
         if r.get("kvpool_tier_lookup_ms_per_request"):  # (runs before session 16 have none; d and b no tier)
             restores = f"{r['kvpool_tier_lookup_ms_per_request']:.1f} + {r['kvpool_restore_ms_per_request']:.1f}"
+            if "kvpool_restore_wait_ms_per_request" in r:  # (since session 26)
+                restores += f" ({r['kvpool_restore_wait_ms_per_request']:.1f})"
         cpu = "–"
         if "kvpool_cpu_ms_per_request" in r:  # (runs before session 13 have none)
             cpu = f"{r['kvpool_cpu_ms_per_request']:.1f} ({r['kvpool_cpu_wait_ms_per_request']:.1f})"

@@ -105,6 +105,8 @@ TIER_COUNTERS = {
     "rejected": "Entries found but not loaded: token ids, geometry or checksum not matching.",
     "lookup_seconds": "Seconds restores spent asking the tier which of a prompt's pages it holds (wall time).",
     "load_seconds": "Seconds restores spent reading pages back from the tier into the device (wall time).",
+    "load_wait_seconds": "Of load_seconds, seconds the remote tier's reads waited for bytes not yet arrived "
+    "(reads on the event loop: redis:// and unix://; 0 for spill tiers, TLS and clusters).",
 }
 TIER_GAUGES = {
     "used_bytes": "Bytes the tier holds (spill tiers).",

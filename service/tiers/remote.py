@@ -216,6 +216,7 @@ class RemoteStore:
             return 0
         plan = self._getting(hashes, tokens, pages)
         async with self.loop_reader.socket() as conn:
+            waited = conn.waited_s
             try:
                 step = next(plan)
                 while True:
@@ -229,6 +230,8 @@ class RemoteStore:
                         step = plan.send(await conn.read_value(step))
             except StopIteration as done:
                 return int(done.value)
+            finally:
+                self.stats.load_wait_seconds += conn.waited_s - waited
 
     def _getting(
         self, hashes: list[bytes], tokens: list[bytes], pages: Sequence[Sequence[memoryview]]

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
@@ -140,6 +141,7 @@ class LoopSocket:
         self.sock, self.timeout = sock, timeout
         self.loop = asyncio.get_running_loop()
         self.parser = RespParser()
+        self.waited_s = 0.0  # time its receives waited for bytes not there yet (the store, or the loop, busy)
 
     @classmethod
     async def open(cls, like: RespConnection) -> "LoopSocket":
@@ -197,7 +199,11 @@ class LoopSocket:
                 try:
                     got = sock.recv_into(want)
                 except BlockingIOError:
-                    got = await bounded(loop.sock_recv_into(sock, want), timeout)
+                    began = time.perf_counter()
+                    try:
+                        got = await bounded(loop.sock_recv_into(sock, want), timeout)
+                    finally:
+                        self.waited_s += time.perf_counter() - began
                 want = gen.send(got)
         except StopIteration as done:
             return done.value

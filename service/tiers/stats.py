@@ -17,6 +17,9 @@ class TierStats:
     # Seconds restores spent on the tier (wall time, waits for its threads included; PrefixCache times both):
     lookup_seconds: float = 0.0  # asking it which of a prompt's pages it holds
     load_seconds: float = 0.0  # reading those pages back into the device (K/V bytes moved, then checked)
+    # Of load_seconds, the remote tier's reads on the loop waiting for bytes not there yet: the store sending them,
+    # or this process's loop getting a core to take them (0 for the spill tiers, and over TLS or on a cluster).
+    load_wait_seconds: float = 0.0
 
 
 class Incident:

@@ -214,6 +214,9 @@ class TierOut(Answer):
     rejected: int = Field(description="entries found but not loaded (tokens, geometry or checksum)")
     lookup_seconds: float = Field(description="restores' time asking it which pages it holds (wall time)")
     load_seconds: float = Field(description="restores' time reading pages back from it into the device (wall time)")
+    load_wait_seconds: float = Field(
+        description="of load_seconds, the remote tier's reads waiting for bytes not yet arrived (0 for spill tiers)"
+    )
 
 
 class PoolOut(Answer):

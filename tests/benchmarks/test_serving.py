@@ -86,8 +86,15 @@ def test_kvpool_was_used_and_released_every_page(report: dict[str, Any]) -> None
             assert server["connector"].get("saved_tokens", 0) > 0, run["label"]
             # the servers' own CPU time, read from the kernel (/proc/PID/task/*/schedstat), over the run
             assert run["kvpool_cpu_ms_per_request"] > 0 and run["kvpool_cpu_wait_ms_per_request"] >= 0, run["label"]
+            # restores from Redis (e, f, f-match): their reading time, of which waiting for the store's bytes
+            waited, reading = run["kvpool_restore_wait_ms_per_request"], run["kvpool_restore_ms_per_request"]
+            assert 0 <= waited <= reading, run["label"]
+            if run["config"] in ("b", "d"):  # (no remote tier)
+                assert reading == 0, run["label"]
         else:
             assert server["kvpool_query_tokens"] == 0 and server["connector"] == {}, run["label"]
+    # the two nodes restored from Redis what the other node computed
+    assert sum(r["kvpool_restore_ms_per_request"] for r in report["runs"] if r["config"] in ("e", "f", "f-match")) > 0
     # two engines sharing one pool: the second engine loads what the first one saved
     d = [r for r in report["runs"] if r["config"] == "d" and r["client"] == BENCH]
     assert sum(r["server"]["cached_tokens_kvpool"] for r in d) > 0

@@ -53,6 +53,11 @@ def test_a_prefix_written_on_a_is_a_hit_on_b_bit_for_bit(start_server: Any, redi
     assert metric(b, "kvpool_tier_load_seconds_total", "remote") > 0
     row = next(t for t in b.get("/v1/pool").json()["tiers"] if t["tier"] == "remote")
     assert row["lookup_seconds"] > 0 and row["load_seconds"] > 0
+    # (of which waiting for the store's bytes: a part, the same in the tier row and the metric)
+    assert 0 <= row["load_wait_seconds"] <= row["load_seconds"]
+    assert metric(b, "kvpool_tier_load_wait_seconds_total", "remote") <= metric(
+        b, "kvpool_tier_load_seconds_total", "remote"
+    )
     ttl = redis_server.client().ttl(keys_of("", 1)[0])
     assert 3500 < ttl <= 3600
     # A different geometry shares nothing: same tokens, other keys.

@@ -209,3 +209,30 @@ def test_a_store_gone_mid_read_fails_it_and_a_later_read_reconnects(redis_server
             store.close()
 
     asyncio.run(scenario())
+
+
+def test_the_time_a_read_waits_for_the_stores_bytes_is_counted_apart(redis_server: RedisServer) -> None:
+    """load_wait_seconds: of a read's time, what it spent waiting for replies not there yet (here the store paused
+    for 0.15 s after the GETEXs were sent), within the tier's load_seconds; a read whose replies keep coming waits
+    far less."""
+
+    async def scenario() -> None:
+        with timing_out_tier(redis_server) as (tier, chain, proc):
+            entries, size = tier.store.entries, tier.codec.page_nbytes
+            hashes = chain.hashes(4)
+            values = [entries.encode(h, chain.tokens(i), bytes([i + 1]) * size) for i, h in enumerate(hashes)]
+            redis_server.client().mset({entries.key(h): v for h, v in zip(hashes, values)})
+            found = await tier.lookup(chain, 0, 4)
+            assert await tier.load_into(found, [0, 1, 2, 3]) == 4
+            assert 0 <= tier.stats.load_wait_seconds < 0.05
+            before = tier.stats.load_wait_seconds
+            proc.send_signal(signal.SIGSTOP)
+            asyncio.get_running_loop().call_later(0.15, proc.send_signal, signal.SIGCONT)  # (the timeout: 0.3 s)
+            began = time.perf_counter()
+            assert await tier.load_into(found, [0, 1, 2, 3]) == 4 and tier.stats.errors == 0
+            took = time.perf_counter() - began
+            waited = tier.stats.load_wait_seconds - before
+            assert 0.1 < waited <= took
+            assert tier.report()["load_wait_seconds"] == tier.stats.load_wait_seconds  # (GET /v1/pool's tier row)
+
+    asyncio.run(scenario())
