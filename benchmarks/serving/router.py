@@ -29,7 +29,10 @@ by the first backend's `POST /tokenize` (vLLM renders and tokenizes exactly as i
 request; if the two ever differ, or without `--model`, the router asks the backend for every request after.
 
 Every proxied completion is logged (one JSON line: path, body, backend, status, error), which is
-how the benchmark counts failed requests and samples requests to replay.
+how the benchmark counts failed requests and samples requests to replay; with, from this process's clock,
+its time choosing the node (`route_s`) and to its first byte (`first_byte_s`), and the nodes' loads as the
+prefix policies weigh them when it was routed (`compute`, `prefilling`, `active`; zeros under round robin,
+which weighs none), from which benchmarks.serving.holders classes each request.
 """
 
 import argparse
@@ -211,7 +214,7 @@ class Router:
         self.prefilling[index] += compute
         self.routed[index] += 1
         record: dict[str, Any] = {"path": path, "body": body, "backend": index, "arrived": arrived}
-        # (the nodes' loads as they were when it was routed, this request's own included)
+        # (the nodes' loads as they were when it was routed, this request's own included; round robin keeps none)
         record |= {
             "route_s": routed_s,
             "compute": compute,
