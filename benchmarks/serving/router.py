@@ -124,7 +124,7 @@ class Router:
         self.index = IndexClient()
         self.log = open(args.log, "a", buffering=1)
         self.routed = [0] * len(self.backends)
-        self.route_ns = 0  # time spent choosing (tokenize + match/query), over all requests
+        self.route_ns = 0  # time spent choosing (tokenize + match/query), over all requests (`chosen` by a policy)
         self.chosen = 0  # requests routed by a prefix policy
         self.tokenizer: Any = None
         if args.model:
@@ -186,10 +186,8 @@ class Router:
         tokens it is expected to compute there (its load there until its first byte)."""
         if self.policy == "rr" or len(self.backends) == 1:
             return next(self.turn), 0, 0.0
-        began = time.perf_counter_ns()  # (not the loop's clock: uvloop's counts whole milliseconds)
         token_ids = await self.token_ids(path, body)
         scores = await self.matched(token_ids)
-        self.route_ns += time.perf_counter_ns() - began
         self.chosen += 1
         compute = computed(len(token_ids), scores, self.shared_tier, self.restore_weight)
         cost = costs(compute, self.prefilling, self.active)
@@ -206,21 +204,19 @@ class Router:
             )
             return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
         body = json.loads(raw)
-        arrived = time.perf_counter()
+        arrived = time.perf_counter()  # (not the loop's clock: uvloop's counts whole milliseconds)
         index, load, compute = await self.choose(path, body)
         routed_s = time.perf_counter() - arrived
+        self.route_ns += int(routed_s * 1e9)  # (round robin adds microseconds, and chooses none: `chosen`)
         self.in_flight[index] += 1
         self.active[index] += load
         self.prefilling[index] += compute
         self.routed[index] += 1
-        record: dict[str, Any] = {"path": path, "body": body, "backend": index, "arrived": arrived}
         # (the nodes' loads as they were when it was routed, this request's own included; round robin keeps none)
-        record |= {
-            "route_s": routed_s,
-            "compute": compute,
-            "prefilling": list(self.prefilling),
-            "active": list(self.active),
-        }
+        record: dict[str, Any] = {
+            "path": path, "body": body, "backend": index, "route_s": routed_s, "compute": compute,
+            "prefilling": list(self.prefilling), "active": list(self.active),
+        }  # fmt: skip
         prefilled = False
 
         def prefill_done() -> None:  # (once: at the first byte, or when the request ends without one)
